@@ -1,0 +1,243 @@
+"""Optimizer step time and state size on the attention/MLP weights of LLaMA.
+
+Times ``optimizer.step()`` alone (gradients are fixed random tensors) for
+GWT-AdamW at levels 1-3 (fast and reference paths), ``torch.optim.AdamW``
+fused and foreach, and the peers that are installed (GaLore rank 128 with
+projection gap 200, amortized; 8-bit AdamW from bitsandbytes and torchao),
+plus the other GWT families against their plain forms. The machines these run
+on are noisy, so every optimizer is timed in interleaved rounds and reported as
+the median, and as a ratio to fused AdamW measured in the same run.
+
+    python benchmarks/step.py --config 60m            # one config
+    python benchmarks/step.py --config 60m,130m --rounds 5
+    python benchmarks/step.py --device cuda           # on a GPU
+
+Prints a markdown table and the versions, hardware and git commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from gwt_optim import GWTAdamW  # noqa: E402
+
+
+def llama_shapes(config: str) -> list[tuple[int, int]]:
+    """(out, in) of every attention and MLP weight of a shipped LLaMA config."""
+    path = ROOT / "src" / "gwt_optim" / "configs" / f"llama_{config}.json"
+    cfg = json.loads(path.read_text())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    per_layer = [(h, h)] * 4 + [(i, h), (i, h), (h, i)]
+    return per_layer * layers
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    try:
+        from gwt_optim.memory import optimizer_state_bytes
+
+        return optimizer_state_bytes(opt)
+    except ImportError:
+        total = 0
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+
+@dataclass
+class Case:
+    label: str
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    baseline: str = "AdamW fused"  # ratio against this case
+    amortize_gap: int = 0  # GaLore: the first step recomputes the projection
+
+
+def _cases(device: str) -> list[Case]:
+    cases = [
+        Case("AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+        Case("AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)),
+    ]
+    for level in (1, 2, 3):
+        cases.append(Case(f"GWT-AdamW l={level}", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv)))
+    for level in (1, 2, 3):
+        cases.append(
+            Case(f"GWT-AdamW l={level} (reference)", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, impl="reference"))
+        )
+    try:
+        from galore_torch import GaLoreAdamW
+
+        cases.append(
+            Case(
+                "GaLore r=128 (amortized, gap 200)",
+                lambda p: GaLoreAdamW(
+                    [{"params": p, "rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}], lr=1e-3
+                ),
+                amortize_gap=200,
+            )
+        )
+    except ImportError:
+        pass
+    try:
+        import bitsandbytes as bnb
+
+        cases.append(Case("8-bit AdamW (bitsandbytes)", lambda p: bnb.optim.AdamW8bit(p, lr=1e-3, min_8bit_size=0)))
+    except ImportError:
+        pass
+    try:
+        from torchao.optim import AdamW8bit
+
+        cases.append(Case("8-bit AdamW (torchao)", lambda p: AdamW8bit(p, lr=1e-3)))
+    except ImportError:
+        pass
+    cases += _family_cases()
+    return cases
+
+
+def _family_cases() -> list[Case]:
+    """The other GWT families against their plain (level 0) forms."""
+    out: list[Case] = []
+    try:
+        from gwt_optim.optim import GWTMuon
+
+        out.append(Case("Muon (torch)", lambda p: torch.optim.Muon(p, lr=1e-3)))
+        out.append(Case("GWT-Muon l=0", lambda p: GWTMuon(p, lr=1e-3, level=0), baseline="Muon (torch)"))
+        out.append(Case("GWT-Muon l=2", lambda p: GWTMuon(p, lr=1e-3, level=2), baseline="Muon (torch)"))
+    except ImportError:
+        pass
+    try:
+        from gwt_optim.optim import GWTAdamMini
+
+        out.append(Case("GWT-Adam-mini l=0", lambda p: GWTAdamMini(p, lr=1e-3, level=0)))
+        out.append(Case("GWT-Adam-mini l=2", lambda p: GWTAdamMini(p, lr=1e-3, level=2), baseline="GWT-Adam-mini l=0"))
+    except ImportError:
+        pass
+    try:
+        from gwt_optim.optim import GWTAdafactor
+
+        out.append(Case("Adafactor (torch)", lambda p: torch.optim.Adafactor(p, lr=1e-3)))
+        out.append(Case("GWT-Adafactor l=2", lambda p: GWTAdafactor(p, lr=1e-3, level=2), baseline="Adafactor (torch)"))
+    except ImportError:
+        pass
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(config: str, device: str, rounds: int, steps: int, only: str | None) -> list[dict]:
+    shapes = llama_shapes(config)
+    n_params = sum(a * b for a, b in shapes)
+    cases = [c for c in _cases(device) if not only or any(s in c.label for s in only.split(","))]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    setups = {}
+    for case in cases:
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.02) for s in shapes]
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device)
+        try:
+            opt = case.make(params)
+        except Exception as exc:  # a peer that cannot run here (no CUDA kernel, ...)
+            print(f"skip {case.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        t0 = time.perf_counter()
+        opt.step()  # creates state; GaLore computes its first projection here
+        _sync(device)
+        first = time.perf_counter() - t0
+        setups[case.label] = (case, params, opt, first)
+
+    times: dict[str, list[float]] = {k: [] for k in setups}
+    for _ in range(rounds):
+        for label, (case, params, opt, _) in setups.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            _sync(device)
+            times[label].append((time.perf_counter() - t0) / steps)
+
+    rows = []
+    for label, (case, params, opt, first) in setups.items():
+        ms = statistics.median(times[label]) * 1e3
+        if case.amortize_gap:
+            ms = (first * 1e3 + (case.amortize_gap - 1) * ms) / case.amortize_gap
+        rows.append({"config": config, "optimizer": label, "ms": ms, "baseline": case.baseline,
+                     "state_bytes": state_bytes(opt), "n_params": n_params})
+    by_label = {r["optimizer"]: r for r in rows}
+    for r in rows:
+        base = by_label.get(r["baseline"])
+        r["ratio"] = r["ms"] / base["ms"] if base else math.nan
+        r["bytes_per_param"] = r["state_bytes"] / r["n_params"]
+    return rows
+
+
+def environment() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except OSError:
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return (
+        f"torch {torch.__version__}, python {platform.python_version()}, CPU {cpu} "
+        f"({torch.get_num_threads()} threads), GPU {gpu}, commit {commit}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="60m,130m", help="comma-separated LLaMA configs (default 60m,130m)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median is reported)")
+    ap.add_argument("--steps", type=int, default=2, help="steps per optimizer per round")
+    ap.add_argument("--only", default=None, help="comma-separated substrings of optimizer labels to run")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args()
+
+    all_rows = []
+    print(f"<!-- {environment()} -->")
+    print("| config | optimizer | ms/step | ratio | state MB | state bytes/param |")
+    print("|---|---|---:|---:|---:|---:|")
+    for config in args.config.split(","):
+        rows = run(config, args.device, args.rounds, args.steps, args.only)
+        for r in rows:
+            ratio = f"{r['ratio']:.2f}x {'' if r['baseline'] == 'AdamW fused' else '(vs ' + r['baseline'] + ')'}"
+            print(
+                f"| {config} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
+                f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} |",
+                flush=True,
+            )
+        all_rows += rows
+    print(f"\n{environment()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": environment(), "rows": all_rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

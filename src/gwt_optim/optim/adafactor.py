@@ -1,0 +1,216 @@
+r"""GWT-Adafactor: Adafactor whose factored statistics describe the approximation.
+
+Adafactor (Shazeer & Stern, 2018; ``torch.optim.Adafactor``) keeps, for a
+matrix, only row and column means of the squared gradient and rebuilds the
+second moment as their normalized outer product. For a weight
+:math:`W \in \mathbb{R}^{m \times n}` at level :math:`l`, GWT-Adafactor keeps
+them for :math:`A_l` (:math:`m \times k`, :math:`k = \lceil n/2^l \rceil`):
+
+.. math::
+
+    R \leftarrow \hat\beta_{2t} R + (1-\hat\beta_{2t})\,\mathrm{mean}_{\mathrm{cols}}(A_l^2),\quad
+    C \leftarrow \hat\beta_{2t} C + (1-\hat\beta_{2t})\,\mathrm{mean}_{\mathrm{rows}}(A_l^2),\quad
+    \hat V = \frac{R\,C}{\max(\mathrm{mean}(R), \epsilon_1)},
+
+with :math:`1-\hat\beta_{2t} = t^{\tau}` (``beta2_decay`` :math:`\tau`), the
+approximation update :math:`U = A_l / \max(\sqrt{\hat V}, \epsilon_1)`, update
+clipping :math:`c = \max(1, \mathrm{RMS}(U)/d)` and :math:`U \leftarrow U/c`;
+with ``beta1`` set, a first moment :math:`M \leftarrow \beta_1 M + (1-\beta_1) U`
+on :math:`A_l` replaces :math:`U` (the first moment of the clipped update, as in
+the original Adafactor). The step is relative, as torch's:
+:math:`\eta_t = \max(\epsilon_2, \mathrm{RMS}(W))\min(\mathrm{lr}, 1/\sqrt t)`.
+
+How the detail coefficients are scaled is ``detail_norm``:
+
+``"second_moment"`` (default)
+    :math:`\tilde D = D / (\sqrt{\hat V}' c)`: each detail is divided by the
+    denominator of the approximation coefficient above it and by the clipping
+    factor, the same normalization GWT gives the details in every family.
+``"clip"``
+    :math:`\tilde D = D / c`: the details are divided by the clipping factor
+    only, as in the authors' reference implementation.
+
+The default is ``"second_moment"`` because it keeps the update invariant to
+the gradient's scale, like Adafactor itself: with ``"clip"`` the details stay
+at the raw gradient's magnitude while the approximation update is normalized
+to RMS about 1, so the details' share of the step shrinks as gradients shrink
+(by ~100x to 1000x on a language model) and the step degenerates to a
+low-pass-filtered Adafactor step. ``docs/families.md`` reports both on a small
+model.
+
+State: :math:`R` (:math:`m`), :math:`C` (:math:`k` instead of :math:`n`) and,
+with ``beta1``, :math:`M` (:math:`m k` instead of :math:`m n`). With level 0
+this is ``torch.optim.Adafactor`` (to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from gwt_optim.optim._base import GWTOptimizer
+
+__all__ = ["GWTAdafactor", "DETAIL_NORMS"]
+
+
+def _den_second_moment(rsqrt_v: Tensor, clip: float) -> Tensor:
+    return rsqrt_v.reciprocal().mul_(clip)
+
+
+def _den_clip(rsqrt_v: Tensor, clip: float) -> Tensor:
+    return rsqrt_v.new_full((), clip).expand_as(rsqrt_v)
+
+
+# The details' normalizer from 1/sqrt(V^) and the clipping factor.
+DETAIL_NORMS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "second_moment": _den_second_moment,
+    "clip": _den_clip,
+}
+
+
+class GWTAdafactor(GWTOptimizer):
+    """Adafactor with Gradient Wavelet Transform state compression.
+
+    Args:
+        params: parameters or param-group dicts; groups may set every
+            hyperparameter below.
+        lr: caps the relative step size :math:`\\rho_t = \\min(\\mathrm{lr}, 1/\\sqrt t)`
+            and scales weight decay, as in ``torch.optim.Adafactor`` (1e-2).
+        beta2_decay: :math:`\\tau` in :math:`\\hat\\beta_{2t} = 1 - t^\\tau` (-0.8).
+        eps: :math:`(\\epsilon_1, \\epsilon_2)`; :math:`\\epsilon_1` None means the
+            compute dtype's machine epsilon (default (None, 1e-3)).
+        d: clipping threshold on the update's RMS (1.0).
+        weight_decay: decoupled weight decay (0).
+        beta1: first-moment decay; None (default, as torch) keeps no first moment.
+        relative_step: scale steps by the weight's RMS (True, as torch);
+            False steps by ``lr`` directly.
+        detail_norm: ``"second_moment"`` (default) or ``"clip"`` (the
+            reference implementation's); see the module docstring.
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, compile:
+            as :class:`~gwt_optim.optim.GWTAdamW`. The limiter is off by
+            default: update clipping already bounds the step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        level: int = 2,
+        wavelet: str = "haar",
+        scale: float = 0.25,
+        norm_growth_limit: float | None = None,
+        *,
+        beta1: float | None = None,
+        relative_step: bool = True,
+        detail_norm: str = "second_moment",
+        moment_dtype: str | None = None,
+        impl: str = "fast",
+        compile: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            beta2_decay=beta2_decay,
+            eps=tuple(eps),
+            d=d,
+            weight_decay=weight_decay,
+            level=level,
+            wavelet=wavelet,
+            scale=scale,
+            norm_growth_limit=norm_growth_limit,
+            beta1=beta1,
+            relative_step=relative_step,
+            detail_norm=detail_norm,
+            moment_dtype=moment_dtype,
+        )
+        super().__init__(params, defaults, impl=impl, compile=compile)
+        # The relative step needs the weight's RMS, which the base's
+        # _step_factor hook does not see; _phase2 records the weight here.
+        self._param_in_step: Tensor | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_param_in_step", None)
+
+    def _validate_family(self, g: dict[str, Any]) -> None:
+        if not g["beta2_decay"] <= 0.0:
+            raise ValueError(f"Invalid beta2_decay: {g['beta2_decay']} (must be <= 0)")
+        eps1, eps2 = g["eps"]
+        if eps1 is not None and not eps1 >= 0.0:
+            raise ValueError(f"Invalid epsilon1: {eps1} (must be >= 0 or None)")
+        if not eps2 >= 0.0:
+            raise ValueError(f"Invalid epsilon2: {eps2} (must be >= 0)")
+        if not g["d"] >= 1.0:
+            raise ValueError(f"Invalid clipping threshold d: {g['d']} (must be >= 1)")
+        if g["beta1"] is not None and not 0.0 <= g["beta1"] < 1.0:
+            raise ValueError(f"Invalid beta1: {g['beta1']} (must be in [0, 1), or None for no first moment)")
+        if g["detail_norm"] not in DETAIL_NORMS:
+            raise ValueError(f"Invalid detail_norm: {g['detail_norm']!r} (one of {sorted(DETAIL_NORMS)})")
+
+    def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
+        if approx.ndim >= 2:
+            # Factored along the last two axes, as torch.optim.Adafactor.
+            state["row_var"] = approx.new_zeros((*approx.shape[:-1], 1), dtype=moment_dtype)
+            state["col_var"] = approx.new_zeros((*approx.shape[:-2], 1, approx.shape[-1]), dtype=moment_dtype)
+        else:
+            state["variance"] = torch.zeros_like(approx, dtype=moment_dtype)
+        if group["beta1"] is not None:
+            state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+
+    def _approx_update(self, group, state, A, step, transformed):
+        eps1 = group["eps"][0]
+        if eps1 is None:
+            eps1 = torch.finfo(A.dtype).eps
+        one_minus_beta2_t = step ** group["beta2_decay"]
+        if "row_var" in state:
+            R, C = state["row_var"], state["col_var"]
+            # (A * A).mean(-1) without materializing A * A
+            r = R.to(A.dtype).lerp_(torch.norm(A, dim=-1, keepdim=True).square_().div_(A.size(-1)), one_minus_beta2_t)
+            c = C.to(A.dtype).lerp_(torch.norm(A, dim=-2, keepdim=True).square_().div_(A.size(-2)), one_minus_beta2_t)
+            if r is not R:  # low-precision statistics: update in the compute dtype, store once
+                R.copy_(r)
+                C.copy_(c)
+            var = (r @ c).div_(r.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            V = state["variance"]
+            v = V.to(A.dtype).lerp_(A * A, one_minus_beta2_t)
+            if v is not V:
+                V.copy_(v)
+            var = v.clone()
+        rsqrt_v = var.clamp_(min=eps1 * eps1).rsqrt_()
+        U = rsqrt_v * A
+        clip = max(1.0, U.norm(2).item() / ((U.numel() ** 0.5) * group["d"]))
+        if clip != 1.0:
+            U.div_(clip)
+        if group["beta1"] is not None:
+            M = state["exp_avg"]
+            m = M.to(A.dtype).lerp_(U, 1 - group["beta1"])
+            if m is not M:
+                M.copy_(m)
+            U = m.clone()
+        return U, DETAIL_NORMS[group["detail_norm"]](rsqrt_v, clip)
+
+    def _step_factor(self, group, state, step) -> float:
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, Tensor) else lr
+        if not group["relative_step"]:
+            return 1.0
+        if lr == 0:
+            return 0.0
+        w = self._param_in_step
+        rho = min(lr, 1 / math.sqrt(step))
+        # The base multiplies by lr; the relative step replaces it.
+        return max(group["eps"][1], w.norm(2).item() / (w.numel() ** 0.5)) * rho / lr
+
+    def _phase2(self, ps) -> None:
+        self._param_in_step = ps.param
+        try:
+            super()._phase2(ps)
+        finally:
+            self._param_in_step = None

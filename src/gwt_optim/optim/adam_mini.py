@@ -1,0 +1,265 @@
+r"""GWT-Adam-mini: Adam-mini whose state lives on Haar approximation coefficients.
+
+Adam-mini (Zhang et al., 2024) keeps Adam's first moment in full but a single
+second-moment scalar per *block*: one per attention head for the query and key
+projections, one per output neuron (row) for the other linear layers, the
+embedding and the output head, one for each remaining tensor (norms), and plain
+Adam for biases. For a weight :math:`W \in \mathbb{R}^{m \times n}` at level
+:math:`l`, GWT-Adam-mini keeps
+
+* :math:`M \leftarrow \beta_1 M + (1-\beta_1) A_l` on the approximation
+  coefficients only (:math:`m \times \lceil n/2^l \rceil`), and
+* :math:`v_b \leftarrow \beta_2 v_b + (1-\beta_2)\,\mathrm{mean}_{b}(A_l^2)`,
+  one scalar per block :math:`b` of :math:`A_l` (the block's rows of
+  :math:`A_l`; the mean runs over :math:`A_l`'s entries, not :math:`G`'s),
+
+and hands the shared GWT step :math:`U = M / \mathrm{den}` with
+:math:`\mathrm{den}_b = \sqrt{v_b} + \epsilon\sqrt{1-\beta_2^t}`; the detail
+coefficients of a block are normalized by the same :math:`\mathrm{den}_b`.
+The first moment shrinks by :math:`2^l`; the per-block scalars were already
+negligible and stay as many as before (blocks are rows, and the transform runs
+along each row).
+
+With level 0 the update equals the ``adam-mini`` package's ``Adam_mini``
+(version 1.1.1) to fp32 rounding; :func:`adam_mini_param_groups` reproduces
+its name-based block partition.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gwt_optim.optim._base import GWTOptimizer
+
+__all__ = ["GWTAdamMini", "adam_mini_block", "adam_mini_param_groups", "BLOCKS"]
+
+# Name fragments of the adam-mini package (v1.1.1), in the order it tests them.
+_BIAS_NAMES = ("bias",)
+_QK_NAMES = ("k_proj", "q_proj", "wq", "wk", "query", "key")
+_ROW_NAMES = (
+    # embeddings and output head: one scalar per token
+    "embed", "embd", "wte", "lm_head", "output", "final_layer",
+    # values, attention output, MLPs: one scalar per output neuron
+    "v_proj", "wv", "value", "o_proj", "wo", "attn.proj", "feed_forward", "linear", "mlp",
+)  # fmt: skip
+_NO_DECAY_NAMES = ("norm", "ln", "bias")
+
+
+def adam_mini_block(name: str) -> str:
+    """The Adam-mini block kind of a parameter, from its qualified name.
+
+    Mirrors ``adam_mini.Adam_mini``: ``"element"`` (plain Adam: biases),
+    ``"head"`` (one scalar per attention head: queries and keys), ``"neuron"``
+    (one scalar per row: embeddings, output head, values, attention output,
+    MLPs) and ``"tensor"`` (one scalar for the whole tensor: norms and
+    anything else).
+    """
+    name = name.lower()
+    for kind, fragments in (("element", _BIAS_NAMES), ("head", _QK_NAMES), ("neuron", _ROW_NAMES)):
+        if any(f in name for f in fragments):
+            return kind
+    return "tensor"
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as (rows, entries-per-row): rows are the leading dims."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
+
+
+# Per-block mean of A^2 and its expansion back over A's shape, per block kind.
+# "head" groups ``head_dim`` consecutive rows, as adam-mini's view(-1, dim*dim/n_heads)
+# does for a (n_heads * head_dim, dim) projection.
+def _mean_neuron(sq: Tensor, group: dict) -> Tensor:
+    return _rows(sq).mean(-1, keepdim=True)
+
+
+def _mean_head(sq: Tensor, group: dict) -> Tensor:
+    rows = _rows(sq)
+    return rows.reshape(-1, group["head_dim"] * rows.shape[-1]).mean(-1, keepdim=True)
+
+
+def _mean_tensor(sq: Tensor, group: dict) -> Tensor:
+    return sq.mean()
+
+
+def _mean_element(sq: Tensor, group: dict) -> Tensor:
+    return sq
+
+
+def _expand_neuron(den: Tensor, A: Tensor, group: dict) -> Tensor:
+    return den.reshape(*A.shape[:-1], 1).expand_as(A) if A.ndim >= 2 else den.reshape(1).expand_as(A)
+
+
+def _expand_head(den: Tensor, A: Tensor, group: dict) -> Tensor:
+    per_row = den.repeat_interleave(group["head_dim"], dim=0)
+    return _expand_neuron(per_row, A, group)
+
+
+def _expand_tensor(den: Tensor, A: Tensor, group: dict) -> Tensor:
+    return den.expand_as(A)
+
+
+def _expand_element(den: Tensor, A: Tensor, group: dict) -> Tensor:
+    return den
+
+
+BLOCKS: dict[str, tuple[Callable[[Tensor, dict], Tensor], Callable[[Tensor, Tensor, dict], Tensor]]] = {
+    "element": (_mean_element, _expand_element),
+    "head": (_mean_head, _expand_head),
+    "neuron": (_mean_neuron, _expand_neuron),
+    "tensor": (_mean_tensor, _expand_tensor),
+}
+
+
+class GWTAdamMini(GWTOptimizer):
+    """Adam-mini with Gradient Wavelet Transform state compression.
+
+    Each param group names its block partition with ``block`` (one of
+    :data:`BLOCKS`: ``"neuron"``, ``"head"``, ``"tensor"``, ``"element"``) and,
+    for ``"head"``, ``head_dim`` (rows per head). :func:`adam_mini_param_groups`
+    builds Adam-mini's partition of a transformer from parameter names.
+
+    Args:
+        params: parameters or param-group dicts (see above); groups may also
+            set ``level``, ``wavelet``, ``scale``, ``norm_growth_limit`` and
+            every hyperparameter below.
+        lr: learning rate (default 1e-3).
+        betas: :math:`(\\beta_1, \\beta_2)` (default (0.9, 0.999)).
+        eps: :math:`\\epsilon` (default 1e-8), added to the bias-corrected
+            :math:`\\sqrt{\\hat v}` as in Adam-mini.
+        weight_decay: decoupled weight decay (default 0).
+        block: default block kind for groups that do not set one ("neuron").
+        head_dim: rows per head for ``"head"`` blocks.
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, compile:
+            as :class:`~gwt_optim.optim.GWTAdamW`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        level: int = 2,
+        wavelet: str = "haar",
+        scale: float = 0.25,
+        norm_growth_limit: float | None = 1.01,
+        *,
+        block: str = "neuron",
+        head_dim: int | None = None,
+        moment_dtype: str | None = None,
+        impl: str = "fast",
+        compile: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            level=level,
+            wavelet=wavelet,
+            scale=scale,
+            norm_growth_limit=norm_growth_limit,
+            moment_dtype=moment_dtype,
+            block=block,
+            head_dim=head_dim,
+        )
+        super().__init__(params, defaults, impl=impl, compile=compile)
+        for group in self.param_groups:
+            if group["block"] == "head":
+                for p in group["params"]:
+                    rows = p.shape[:-1].numel() if p.ndim >= 2 else 1
+                    if rows % group["head_dim"]:
+                        raise ValueError(
+                            f"a 'head' block parameter of shape {tuple(p.shape)} has {rows} rows, not a "
+                            f"multiple of head_dim={group['head_dim']}; check n_heads/dim, or use block='neuron'"
+                        )
+
+    def _validate_family(self, g: dict[str, Any]) -> None:
+        betas = g["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2))")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+        if not 0.0 <= g["eps"]:
+            raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")
+        if g["block"] not in BLOCKS:
+            raise ValueError(f"Invalid block: {g['block']!r} (one of {sorted(BLOCKS)})")
+        if g["block"] == "head" and not (isinstance(g["head_dim"], int) and g["head_dim"] > 0):
+            raise ValueError(
+                f"block='head' needs head_dim, the rows per attention head (hidden size // n_heads); got {g['head_dim']!r}"
+            )
+
+    def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
+        mean, _ = BLOCKS[group["block"]]
+        state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        state["vmean"] = torch.zeros_like(mean(approx, group), dtype=moment_dtype)
+
+    def _approx_update(self, group, state, A, step, transformed):
+        beta1, beta2 = group["betas"]
+        mean, expand = BLOCKS[group["block"]]
+        M, v = state["exp_avg"], state["vmean"]
+        # Low-precision moments are updated in the compute dtype and stored once.
+        m = M.to(A.dtype).lerp_(A, 1 - beta1)
+        vm = v.to(A.dtype).mul_(beta2).add_(mean(A * A, group), alpha=1 - beta2)
+        if m is not M:
+            M.copy_(m)
+            v.copy_(vm)
+        den = expand(vm.sqrt().add_(group["eps"] * math.sqrt(1 - beta2**step)), A, group)
+        U = torch.where(den > 0, m / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(m))
+        return U, den
+
+    def _step_factor(self, group, state, step) -> float:
+        beta1, beta2 = group["betas"]
+        return math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+def adam_mini_param_groups(
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    *,
+    dim: int,
+    n_heads: int,
+    weight_decay: float = 0.0,
+    transformed: Sequence[Tensor] = (),
+    transformed_options: dict[str, Any] | None = None,
+    regular_options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Param groups with Adam-mini's block partition, split by transform.
+
+    Every parameter gets the block kind :func:`adam_mini_block` gives its name
+    and, like Adam-mini, no weight decay when its name contains ``norm``,
+    ``ln`` or ``bias``. Parameters in ``transformed`` (for example
+    ``gwt_optim.split_params(model).transformed``) get ``transformed_options``
+    (``level``, ``scale``, ...); the others get ``regular_options`` (by
+    default level 0, scale 1 and no limiter: plain Adam-mini).
+
+    ``dim`` and ``n_heads`` are the model's hidden size and attention heads;
+    a head block spans ``dim // n_heads`` rows, which also covers grouped-query
+    key projections.
+    """
+    if dim % n_heads:
+        raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
+    head_dim = dim // n_heads
+    chosen = {id(p) for p in transformed}
+    regular = {"level": 0, "scale": 1.0, "norm_growth_limit": None, **(regular_options or {})}
+    groups: dict[tuple, dict[str, Any]] = {}
+    seen: set[int] = set()
+    for name, p in named_parameters:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        block = adam_mini_block(name)
+        wd = 0.0 if any(f in name.lower() for f in _NO_DECAY_NAMES) else weight_decay
+        is_t = id(p) in chosen
+        key = (block, wd, is_t)
+        if key not in groups:
+            opts = dict(transformed_options or {}) if is_t else dict(regular)
+            groups[key] = {"params": [], "block": block, "head_dim": head_dim, "weight_decay": wd, **opts}
+        groups[key]["params"].append(p)
+    return list(groups.values())

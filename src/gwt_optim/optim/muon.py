@@ -1,0 +1,260 @@
+r"""GWT-Muon: Muon whose momentum lives on Haar approximation coefficients.
+
+Muon (Jordan et al., 2024; ``torch.optim.Muon``) keeps one momentum buffer per
+hidden matrix and steps along its orthogonalization. For a weight
+:math:`W \in \mathbb{R}^{m \times n}` at level :math:`l`, GWT-Muon keeps the
+momentum on the approximation coefficients only,
+
+.. math::
+
+    B \leftarrow \mu B + (1-\mu) A_l \qquad (m \times \lceil n/2^l \rceil),
+
+(torch's exponential-average form of :math:`B \leftarrow \mu B + G`, which
+keeps :math:`B` on the scale of the gradient), and builds the full-size
+direction from the momentum for the coarse part and this step's details,
+
+.. math::
+
+    X = \mathrm{IDWT}([\tilde B, D_l, \dots, D_1]), \qquad
+    \tilde B = \begin{cases} (1-\mu) A_l + \mu B & \text{nesterov} \\ B & \text{otherwise,} \end{cases}
+
+then steps along :math:`\alpha \cdot \mathrm{NS}(X)`, the same quintic
+Newton--Schulz iteration, coefficients and shape-based learning-rate scaling
+as ``torch.optim.Muon``. The momentum shrinks by :math:`2^l`. With level 0
+this is ``torch.optim.Muon`` step for step (bit-exact with the default bf16
+Newton--Schulz).
+
+The details are not normalized (Muon has no second moment), and the
+norm-growth limiter is not applied: Newton--Schulz starts by dividing
+:math:`X` by its norm, so any rescaling of :math:`X` -- the limiter's, or
+:math:`\alpha` applied before it -- would cancel; :math:`\alpha` is applied to
+the orthogonalized direction instead.
+
+As in the usual Muon recipe, parameters that are not hidden matrices
+(embeddings, the output head, norms, biases) go in groups with
+``use_muon=False``, which this optimizer updates as (GWT-)AdamW.
+
+**Newton--Schulz precision.** ``torch.optim.Muon`` iterates in bfloat16, which
+is fast on GPUs but slow on CPUs without bf16 matrix units. ``ns_dtype=
+"float32"`` runs the same iteration in fp32; see ``docs/families.md`` for the
+measured difference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim.adamw import GWTAdamW
+
+__all__ = ["GWTMuon", "zeropower_via_newtonschulz", "NS_COEFFICIENTS", "NS_DTYPES", "adjust_lr_ratio"]
+
+# Keller Jordan's quintic coefficients, as in torch.optim.Muon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def zeropower_via_newtonschulz(
+    X: Tensor,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Approximately orthogonalize a matrix with the quintic Newton--Schulz iteration.
+
+    The operations (and their order) are those of ``torch.optim.Muon``, so with
+    ``dtype=torch.bfloat16`` the result is bit-identical to it; ``dtype``
+    chooses the iteration's precision. Returns a tensor of ``dtype``.
+    """
+    if X.ndim != 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(X.shape)}")
+    if steps >= 100:
+        raise ValueError("ns_steps must be < 100")
+    a, b, c = coefficients
+    Y = X.to(dtype)
+    tall = X.size(0) > X.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        Y = Y.T
+    Y.div_(Y.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = Y @ Y.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        Y = torch.addmm(Y, poly, Y, beta=a)
+    return Y.T if tall else Y
+
+
+def _adjust_lr_original(rows: int, cols: int) -> float:
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def _adjust_lr_match_rms_adamw(rows: int, cols: int) -> float:
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+# torch.optim.Muon's adjust_lr_fn choices (None = "original").
+_ADJUST_LR = {None: _adjust_lr_original, "original": _adjust_lr_original, "match_rms_adamw": _adjust_lr_match_rms_adamw}
+
+
+def adjust_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
+    """Muon's shape-based learning-rate multiplier for a (rows, cols) matrix."""
+    return _ADJUST_LR[adjust_lr_fn](shape[0], shape[1])
+
+
+class GWTMuon(GWTOptimizer):
+    """Muon with Gradient Wavelet Transform state compression, plus AdamW
+    for the parameters that are not hidden matrices.
+
+    Args:
+        params: param-group dicts. Groups with ``use_muon=True`` (the
+            default) take 2-D weights and are updated by GWT-Muon; groups with
+            ``use_muon=False`` take anything and are updated by GWT-AdamW
+            (level 0: plain AdamW) with that group's ``betas``/``eps``.
+            :func:`gwt_optim.groups.gwt_param_groups` with
+            ``transformed_options={"use_muon": True}`` and
+            ``regular_options={"use_muon": False}`` builds the usual split.
+        lr: learning rate (default 1e-3, as torch's Muon; AdamW groups
+            usually want their own, smaller ``lr``).
+        weight_decay: decoupled weight decay (default 0.1, as torch's Muon).
+        momentum: :math:`\\mu` (default 0.95).
+        nesterov: Nesterov-style direction (default True).
+        ns_coefficients, ns_steps: the Newton--Schulz iteration (torch's).
+        ns_eps: the iteration's norm floor (torch Muon's ``eps``, 1e-7).
+        ns_dtype: ``"bfloat16"`` (torch's; default) or ``"float32"`` (faster
+            and more precise on CPUs).
+        adjust_lr_fn: ``None``/``"original"`` (:math:`\\sqrt{\\max(1, m/n)}`) or
+            ``"match_rms_adamw"`` (:math:`0.2\\sqrt{\\max(m, n)}`), as torch.
+        betas, eps: AdamW hyperparameters of ``use_muon=False`` groups.
+        level, wavelet, scale: as :class:`~gwt_optim.optim.GWTAdamW`
+            (``scale`` multiplies the orthogonalized direction).
+        norm_growth_limit: applies to ``use_muon=False`` groups only (default
+            None); see the module docstring.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        level: int = 2,
+        wavelet: str = "haar",
+        scale: float = 0.25,
+        norm_growth_limit: float | None = None,
+        *,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_steps: int = 5,
+        ns_eps: float = 1e-7,
+        ns_dtype: str = "bfloat16",
+        adjust_lr_fn: str | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        use_muon: bool = True,
+        moment_dtype: str | None = None,
+        impl: str = "fast",
+        compile: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            level=level,
+            wavelet=wavelet,
+            scale=scale,
+            norm_growth_limit=norm_growth_limit,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_steps=ns_steps,
+            ns_eps=ns_eps,
+            ns_dtype=ns_dtype,
+            adjust_lr_fn=adjust_lr_fn,
+            betas=betas,
+            eps=eps,
+            use_muon=use_muon,
+            moment_dtype=moment_dtype,
+        )
+        super().__init__(params, defaults, impl=impl, compile=compile)
+        # The lr multiplier depends on the parameter's shape, which the base's
+        # _step_factor hook does not see; _phase2 records it here per step.
+        self._shape_in_step: torch.Size | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_shape_in_step", None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            for p in group["params"]:
+                if type(p).__name__ == "DTensor":
+                    raise NotImplementedError(
+                        "GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters are not "
+                        "supported in use_muon groups. Use GWTAdamW for sharded training"
+                    )
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"Muon groups take 2-D weights, got a parameter of shape {tuple(p.shape)}; put it in a "
+                        "group with use_muon=False (AdamW), as gwt_optim.toolkit's 'gwt-muon' factory does"
+                    )
+
+    def _validate_family(self, g: dict[str, Any]) -> None:
+        if not 0.0 <= g["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum: {g['momentum']} (must be in [0, 1))")
+        if g["ns_dtype"] not in NS_DTYPES:
+            raise ValueError(f"Invalid ns_dtype: {g['ns_dtype']!r} (one of {sorted(NS_DTYPES)})")
+        if g["adjust_lr_fn"] not in _ADJUST_LR:
+            raise ValueError(f"Invalid adjust_lr_fn: {g['adjust_lr_fn']!r} (None, 'original' or 'match_rms_adamw')")
+        if len(g["ns_coefficients"]) != 3:
+            raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {g['ns_coefficients']!r}")
+        if not 0 < g["ns_steps"] < 100:
+            raise ValueError(f"Invalid ns_steps: {g['ns_steps']} (must be in [1, 100))")
+        GWTAdamW._validate_family(self, g)  # the AdamW groups' betas and eps
+
+    # Groups with use_muon=False are GWT-AdamW groups: reuse its hooks as they are.
+
+    def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
+        if not group["use_muon"]:
+            return GWTAdamW._init_family_state(self, group, state, approx, moment_dtype, transformed)
+        state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+
+    def _approx_update(self, group, state, A, step, transformed):
+        if not group["use_muon"]:
+            return GWTAdamW._approx_update(self, group, state, A, step, transformed)
+        mu = group["momentum"]
+        B = state["momentum_buffer"]
+        b = B.to(A.dtype).lerp_(A, 1 - mu)
+        if b is not B:  # low-precision buffer: update in the compute dtype, store once
+            B.copy_(b)
+        return (A.lerp(b, mu) if group["nesterov"] else b), None
+
+    def _limiter_enabled(self, group, transformed) -> bool:
+        # Newton-Schulz divides by the norm first, so the limiter would cancel.
+        return not group["use_muon"] and super()._limiter_enabled(group, transformed)
+
+    def _postprocess(self, group, state, delta, transformed):
+        if not group["use_muon"]:
+            return delta
+        O = zeropower_via_newtonschulz(
+            delta, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]]
+        )
+        # alpha given to the base was cancelled by the normalization; apply it here.
+        O = O.to(delta.dtype)
+        return O.mul_(group["scale"]) if transformed and group["scale"] != 1 else O
+
+    def _step_factor(self, group, state, step) -> float:
+        if not group["use_muon"]:
+            return GWTAdamW._step_factor(self, group, state, step)
+        return adjust_lr_ratio(group["adjust_lr_fn"], self._shape_in_step)
+
+    def _phase2(self, ps) -> None:
+        self._shape_in_step = ps.param.shape
+        try:
+            super()._phase2(ps)
+        finally:
+            self._shape_in_step = None

@@ -1,0 +1,206 @@
+"""Pieces shared by ``finetune glue`` and ``finetune lm``: hub access that fails
+clearly offline, per-run peak memory, optimizer specs and result files."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+from urllib.parse import urlparse
+
+import torch
+
+# Shared with pretrain/compare: atomic result files and measured optimizer state.
+from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
+from gwt_optim.toolkit.metrics import state_bytes as optimizer_state_bytes
+
+T = TypeVar("T")
+
+__all__ = [
+    "HubUnavailable",
+    "prepare_hub_access",
+    "from_hub",
+    "PeakMemory",
+    "MethodSpec",
+    "parse_methods",
+    "atomic_write_text",
+    "atomic_write_json",
+    "optimizer_state_bytes",
+    "markdown_table",
+    "pick_device",
+]
+
+
+class HubUnavailable(RuntimeError):
+    """A model or data set had to come from the Hugging Face hub and could not."""
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _set_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # huggingface_hub and datasets read the variable when first imported; if
+    # they already are (a test, a notebook), flip their module constants too so
+    # that a missing file fails at once instead of after minutes of retries.
+    import sys
+
+    hub_constants = sys.modules.get("huggingface_hub.constants")
+    if hub_constants is not None:
+        hub_constants.HF_HUB_OFFLINE = True
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:
+        datasets_config.HF_HUB_OFFLINE = True
+
+
+def prepare_hub_access() -> bool:
+    """Switch to the local cache when the hub cannot be reached; return whether online.
+
+    Without this, every ``from_pretrained``/``load_dataset`` on a machine with
+    no network retries for about a minute before failing.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        _set_offline()
+        return False
+    if _hub_reachable():
+        return True
+    _set_offline()
+    return False
+
+
+def from_hub(what: str, name: str, load: Callable[[], T], *, fix: str) -> T:
+    """Run ``load`` (a hub download) and turn any failure into :class:`HubUnavailable`.
+
+    ``fix`` tells the user what to do instead (a local path, a cache).
+    """
+    try:
+        return load()
+    except (OSError, ConnectionError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        reason = "the Hugging Face hub is unreachable (offline mode)" if offline else f"loading failed: {exc}"
+        raise HubUnavailable(
+            f"cannot load {what} {name!r}: {reason}. Either run once where the hub is reachable so that "
+            f"it lands in the Hugging Face cache (then it also works offline), or {fix}."
+        ) from exc
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _read_status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of one run inside a longer-lived process.
+
+    On CUDA it is ``torch.cuda.max_memory_allocated`` after a reset. On CPU it
+    is the process's resident-set high-water mark (``VmHWM``), which Linux
+    lets a process reset by writing ``5`` to ``/proc/self/clear_refs``; so
+    runs in the same process are measured separately instead of all reporting
+    the largest one. Where that is unavailable, the lifetime peak is reported
+    and :attr:`resettable` is ``False``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.resettable = True
+        self.kind = "cuda max allocated" if self.device.type == "cuda" else "peak RSS"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        except OSError:
+            self.resettable = False
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        hwm = _read_status_kib("VmHWM")
+        if hwm is not None:
+            return hwm * 1024
+        import resource  # ru_maxrss is KiB on Linux and cannot be reset
+
+        self.resettable = False
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class MethodSpec:
+    """One column (or row) of a comparison: a registry optimizer with options, or LoRA."""
+
+    label: str
+    optimizer: str
+    options: dict[str, Any] = field(default_factory=dict)
+    lora: bool = False
+
+
+def parse_methods(texts: Sequence[str]) -> list[MethodSpec]:
+    """``["adamw", "gwt-adamw:level=2", "lora:r=8"]`` -> specs.
+
+    ``lora`` (with ``r``, ``alpha`` and ``dropout`` options) wraps the model
+    with ``peft`` adapters and trains them with AdamW; every other name must
+    be in the optimizer registry.
+    """
+    from gwt_optim.toolkit.registry import _convert, parse_optimizer_arg
+
+    specs = []
+    for text in texts:
+        text = text.strip()
+        if not text:
+            continue
+        if text.split(":", 1)[0] == "lora":
+            opts = {}
+            for pair in text.split(":")[1:]:
+                key, _, value = pair.partition("=")
+                if not _:
+                    raise ValueError(f"bad LoRA option {pair!r} in {text!r}; expected key=value")
+                opts[key.strip()] = _convert(value.strip())
+            specs.append(MethodSpec(text, "adamw", opts, lora=True))
+        else:
+            name, opts = parse_optimizer_arg(text)
+            specs.append(MethodSpec(text, name, opts))
+    if not specs:
+        raise ValueError("no methods given")
+    return specs
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; the first column is left-aligned, the rest right-aligned."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "| " + " | ".join(parts) + " |"
+
+    sep = "| " + " | ".join([":" + "-" * (widths[0] - 1)] + ["-" * (w - 1) + ":" for w in widths[1:]]) + " |"
+    return "\n".join([fmt(cells[0]), sep, *(fmt(r) for r in cells[1:])]) + "\n"
+
+
+def mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"

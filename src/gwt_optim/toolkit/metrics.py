@@ -1,0 +1,317 @@
+"""Measurement helpers shared by ``pretrain``, ``compare`` and ``finetune``.
+
+* :func:`peak_rss_bytes` / :func:`current_rss_bytes` -- process memory;
+* :func:`cuda_peak_bytes` -- ``torch.cuda.max_memory_allocated`` when on CUDA;
+* :class:`Throughput` -- steady-state ms/step and tokens/s, warm-up excluded;
+* :func:`state_bytes` -- bytes really held by an optimizer's state;
+* :class:`MetricsLog` -- the per-step ``metrics.jsonl`` of a run;
+* :func:`environment` -- versions, machine and git commit, for the run directory;
+* :func:`atomic_write_text` / :func:`atomic_write_json` -- never a half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+__all__ = [
+    "peak_rss_bytes",
+    "current_rss_bytes",
+    "cuda_peak_bytes",
+    "reset_peak_memory",
+    "Throughput",
+    "state_bytes",
+    "MetricsLog",
+    "read_jsonl",
+    "environment",
+    "git_commit",
+    "atomic_write_text",
+    "atomic_write_json",
+    "format_bytes",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Files
+# --------------------------------------------------------------------------- #
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so a
+    reader (or a crash) never sees a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines file; a torn last line (a killed run) is skipped."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Memory
+# --------------------------------------------------------------------------- #
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:  # Linux without psutil
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cuda_peak_bytes(device: torch.device | None = None) -> int | None:
+    """``torch.cuda.max_memory_allocated`` on ``device``, or None off CUDA."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def reset_peak_memory(device: torch.device | None = None) -> None:
+    """Restart the CUDA peak counter (RSS peaks cannot be reset; run one
+    configuration per process to measure them, as ``compare`` does)."""
+    if cuda_peak_bytes(device) is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by ``optimizer``'s state, each storage counted once.
+
+    Uses :func:`gwt_optim.memory.optimizer_state_bytes`, which also looks
+    inside torchao's quantized state subclasses and helper objects such as
+    GaLore's projector.
+    """
+    from gwt_optim.memory import optimizer_state_bytes
+
+    return int(optimizer_state_bytes(optimizer))
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- #
+# Speed
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Throughput:
+    """Steady-state speed: the first ``warmup`` steps (allocator warm-up,
+    ``torch.compile``, GaLore's first SVD) are left out of the averages.
+
+    Wrap each optimizer step (not evaluation) in ``with meter.step(tokens):``.
+    """
+
+    warmup: int = 2
+    device: torch.device | None = None
+    steps: int = 0
+    timed_steps: int = 0
+    timed_tokens: int = 0
+    timed_seconds: float = 0.0
+    last_seconds: float = 0.0
+    _t0: float = field(default=0.0, repr=False)
+
+    def _sync(self) -> None:
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self, tokens: int) -> float:
+        self._sync()
+        self.last_seconds = time.perf_counter() - self._t0
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.timed_steps += 1
+            self.timed_tokens += tokens
+            self.timed_seconds += self.last_seconds
+        return self.last_seconds
+
+    @contextlib.contextmanager
+    def step(self, tokens: int) -> Iterator[None]:
+        """Time the enclosed optimizer step, which processed ``tokens`` tokens."""
+        self.start()
+        yield
+        self.stop(tokens)
+
+    @property
+    def ms_per_step(self) -> float | None:
+        return 1000 * self.timed_seconds / self.timed_steps if self.timed_steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds > 0 else None
+
+
+# --------------------------------------------------------------------------- #
+# Per-step log
+# --------------------------------------------------------------------------- #
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``metrics.jsonl``.
+
+    On resume, :meth:`truncate_after` drops the records of steps the resumed
+    run will redo, so the file holds exactly one curve.
+    """
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._f = None
+
+    def truncate_after(self, step: int) -> None:
+        if not self.enabled or not self.path.exists():
+            return
+        keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._f is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a")
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- #
+# Environment
+# --------------------------------------------------------------------------- #
+
+
+def git_commit(path: str | os.PathLike | None = None) -> str | None:
+    """The commit of the git checkout holding ``path`` (default: this package),
+    with ``-dirty`` appended when tracked files are modified; None outside git."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(packages: Iterable[str] = ()) -> dict[str, Any]:
+    """Versions, machine and git commit: what a reader needs to trust a number."""
+    import gwt_optim
+
+    info: dict[str, Any] = {
+        "gwt_optim": gwt_optim.__version__,
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import psutil
+
+        info["memory_bytes"] = int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    for name in ("transformers", "datasets", "tokenizers", *packages):
+        info[name] = _package_version(name)
+    return info
