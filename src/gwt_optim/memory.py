@@ -282,6 +282,7 @@ class Settings:
     rank: int
     weight_bytes: int  # bytes per weight
     state_bytes: int  # bytes per optimizer-state element
+    state_dtype: torch.dtype = torch.float32
     scalar_bytes: int = 4  # fp32 step counters and norms
 
 
@@ -311,13 +312,17 @@ def _quantized_adam(t: TensorSpec, s: Settings, *, bits: int, block: int, qmap: 
     return 2 * per_moment + 4
 
 
-def _low_rank(t: TensorSpec, s: Settings, *, rank: int | None, limiter: bool) -> int:
+def _low_rank(t: TensorSpec, s: Settings, *, rank: int | None, limiter: bool, svd: bool) -> int:
     if len(t.shape) != 2:
         return _adam(t, s, step_bytes=0)
     m, n = t.shape
     r = min(rank or s.rank, m, n)
+    # GaLore keeps its fp32 projector as a slice of the SVD factor, which holds
+    # the whole min(m, n) x min(m, n) factor alive; other dtypes are cast,
+    # which copies just the r rows/columns. APOLLO draws a fresh r x min(m, n).
+    proj = min(m, n) if svd and s.state_dtype == torch.float32 else r
     # projector on the short side, both moments on the long side; steps are ints
-    return (r * min(m, n) + 2 * r * max(m, n)) * s.state_bytes + (s.state_bytes if limiter else 0)
+    return (proj * min(m, n) + 2 * r * max(m, n)) * s.state_bytes + (s.state_bytes if limiter else 0)
 
 
 def _adam_mini(t: TensorSpec, s: Settings, *, level: int = 0, step_bytes: int = 0, limiter: bool = False) -> int:
@@ -379,19 +384,19 @@ ESTIMATORS: dict[str, Estimator] = {
         "torchao AdamW4bit",
     ),
     "galore": Estimator(
-        functools.partial(_low_rank, rank=None, limiter=False),
+        functools.partial(_low_rank, rank=None, limiter=False, svd=True),
         functools.partial(_adam, step_bytes=0),
         "galore_torch GaLoreAdamW, rank r",
         uses_rank=True,
     ),
     "apollo": Estimator(
-        functools.partial(_low_rank, rank=None, limiter=True),
+        functools.partial(_low_rank, rank=None, limiter=True, svd=False),
         functools.partial(_adam, step_bytes=0),
         "apollo_torch APOLLOAdamW, rank r (channel-wise)",
         uses_rank=True,
     ),
     "apollo-mini": Estimator(
-        functools.partial(_low_rank, rank=1, limiter=True),
+        functools.partial(_low_rank, rank=1, limiter=True, svd=False),
         functools.partial(_adam, step_bytes=0),
         "APOLLO-Mini: rank 1, tensor-wise scaling",
         fixed_rank=1,
@@ -413,7 +418,7 @@ ESTIMATORS: dict[str, Estimator] = {
         uses_level=True,
     ),
     "gwt-adafactor": Estimator(
-        _at_level(_adafactor, limiter=True), _adafactor, "GWTAdafactor at level l (no first moment)", uses_level=True
+        _at_level(_adafactor), _adafactor, "GWTAdafactor at level l (no first moment, no limiter)", uses_level=True
     ),
 }
 
@@ -459,13 +464,16 @@ class MemoryEstimate:
         return 1.0 - self.state_bytes / baseline.state_bytes
 
 
-def _dtype_bytes(dtype: torch.dtype | str) -> int:
-    if isinstance(dtype, str):
-        names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-        if dtype not in names and not hasattr(torch, dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)} or a torch dtype name")
-        dtype = names.get(dtype) or getattr(torch, dtype)
-    return torch.empty((), dtype=dtype).element_size()
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = _DTYPE_NAMES.get(dtype, getattr(torch, dtype, None))
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or a torch dtype name")
+    return resolved
 
 
 def estimate(
@@ -516,8 +524,10 @@ def estimate(
     d, heads = _model_dims(model, dim, n_heads)
     if rank is None:
         rank = max((d or 256) // 4, 1)
-    wb = _dtype_bytes(dtype)
-    settings = Settings(level=level, rank=rank, weight_bytes=wb, state_bytes=_dtype_bytes(state_dtype or dtype))
+    dtype = _resolve_dtype(dtype)
+    sdt = _resolve_dtype(state_dtype or dtype)
+    wb = dtype.itemsize
+    settings = Settings(level=level, rank=rank, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
     est = ESTIMATORS[key]
     per_tensor = {t.name: (est.transformed if t.transformed else est.regular)(t, settings) for t in specs}
     return MemoryEstimate(

@@ -224,17 +224,13 @@ class GWTOptimizer(Optimizer):
                 "checkpoint does not match this optimizer: it holds "
                 f"{len(saved_ids)} parameters, the optimizer {sum(len(g['params']) for g in self.param_groups)}"
             )
-        dtypes = {
-            pid: {k: v.dtype for k, v in st.items() if isinstance(v, Tensor)}
-            for pid, st in state_dict["state"].items()
-        }
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
-            for key, dtype in dtypes.get(pid, {}).items():
-                v = self.state[p][key]
-                if v.dtype != dtype:
-                    self.state[p][key] = v.to(dtype)
+            for key, saved in state_dict["state"].get(pid, {}).items():
+                if isinstance(saved, Tensor) and key != "step" and saved.dtype != self.state[p][key].dtype:
+                    # re-copy from the saved tensor: casting back would have lost bits
+                    self.state[p][key] = saved.to(device=p.device, copy=True)
 
     # ------------------------------------------------------------ step --- #
 

@@ -123,7 +123,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.resettable = True
-        self.kind = "cuda max allocated" if self.device.type == "cuda" else "peak RSS"
+        self.kind = "CUDA max allocated" if self.device.type == "cuda" else "Peak RSS"
 
     def reset(self) -> None:
         if self.device.type == "cuda":

@@ -258,7 +258,7 @@ def _tokenize(ds, tokenizer, task: GlueTask, max_length: int):
         enc["labels"] = [float(v) for v in label] if task.is_regression else [int(v) for v in label]
         return enc
 
-    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {task.name}")
+    return ds.map(encode, batched=True, remove_columns=ds["train"].column_names, desc=f"tokenize {task.name}")
 
 
 def _load_tokenizer(model_name: str):
@@ -449,7 +449,7 @@ def glue_report(records: list[dict], tasks: Sequence[str], methods: Sequence[str
                 ]
             )
     metric_note = ", ".join(f"{GLUE_TASKS[t].title}: {GLUE_TASKS[t].cell_label}" for t in tasks)
-    kind = records[0]["peak_memory_kind"] if records else "peak memory"
+    kind = records[0]["peak_memory_kind"] if records else "Peak memory"
     return (
         f"## GLUE fine-tuning ({settings.model})\n\n"
         f"lr {settings.lr:g}, module-wise alpha {settings.scale:g}, batch {settings.batch_size}, "
@@ -459,7 +459,7 @@ def glue_report(records: list[dict], tasks: Sequence[str], methods: Sequence[str
         + markdown_table(header, rows)
         + "\n"
         + markdown_table(
-            ["Method", "Optimizer state (MiB)", f"Peak {kind} (MiB)", "Train samples/s"], mem_rows
+            ["Method", "Optimizer state (MiB)", f"{kind} (MiB)", "Train samples/s"], mem_rows
         )
     )
 

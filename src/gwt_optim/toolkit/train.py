@@ -1,0 +1,461 @@
+"""The pre-training loop behind ``gwt-optim pretrain`` and ``compare``.
+
+One :class:`TrainConfig` describes a run; :func:`train` executes it in the
+current process (or in every ``torchrun`` process) and returns the summary
+it also writes to ``RUN/summary.json``. A run directory holds
+
+``config.json``       the resolved configuration (every default filled in)
+``environment.json``  versions, machine, git commit, world size
+``metrics.jsonl``     one record per optimizer step (``loss``, ``lr``,
+                      ``tokens_per_s``...) and per evaluation (``val_loss``)
+``summary.json``      the final numbers ``compare`` and ``report`` tabulate
+``checkpoints/``      see :mod:`gwt_optim.toolkit.checkpoint`
+
+Schedule: linear warm-up over ``warmup`` (a fraction of the steps, 10% by
+default) then cosine decay to ``min_lr_ratio`` (0.1) times the peak, as in
+the paper. Each optimizer step consumes ``batch_size`` sequences in
+``batch_size / (micro_batch_size * world_size)`` accumulation steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "TrainConfig",
+    "Callback",
+    "NonFiniteLossError",
+    "WarmupCosine",
+    "train",
+    "evaluate",
+    "PRECISIONS",
+]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the run stopped before the
+    optimizer could apply the bad step, and no checkpoint was written."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a pre-training run (the CLI flags, one to one)."""
+
+    out: str = "runs/pretrain"
+    model: str = "llama_9m"
+    data: str = "demo"
+    tokenizer: str | None = None  # None: t5-base (C4, local) or the demo BPE
+    vocab_size: int = 4096  # for a BPE tokenizer trained here
+    pretrained: bool = False  # load the weights of a local model directory
+    optimizer: str = "adamw"  # "name" or "name:key=value:..."
+    lr: float = 1e-3
+    scale: float = 1.0  # module-wise alpha on attention/MLP weights
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    recipe: str = "paper"  # which weights get alpha / the transform (gwt_optim.groups)
+    steps: int = 200
+    seq_len: int = 256
+    batch_size: int = 16  # sequences per optimizer step, all ranks together
+    micro_batch_size: int | None = None  # per rank and forward pass; None: batch_size / world
+    warmup: float = 0.1  # < 1: fraction of steps; >= 1: number of steps
+    min_lr_ratio: float = 0.1
+    grad_clip: float | None = None
+    precision: str = "auto"  # auto (bf16 on CUDA if supported, else fp32), bf16, fp32
+    eval_every: int = 50
+    val_tokens: int = 32768
+    eval_batch_size: int = 16
+    seed: int = 0
+    save_every: int = 0  # 0: checkpoint only at the end (and on Ctrl-C)
+    keep_last: int = 2
+    resume: bool = False
+    fsdp: bool = False
+    device: str = "auto"
+    progress: bool = True
+    timing_warmup: int = 3  # steps left out of ms/step and tokens/s
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown training option(s): {sorted(unknown)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Callback:
+    """Hooks into the loop (tests use them to inject faults; users to log)."""
+
+    def on_step_start(self, step: int, model: nn.Module) -> None:
+        """Before the forward passes of optimizer step ``step`` (1-based)."""
+
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        """After step ``step`` was applied and logged."""
+
+
+class WarmupCosine:
+    """LR multiplier: linear warm-up to 1, then cosine down to ``min_ratio``.
+
+    A callable object (not a lambda) so ``LambdaLR`` can checkpoint it.
+    """
+
+    def __init__(self, total_steps: int, warmup_steps: int, min_ratio: float = 0.1):
+        self.total_steps = max(1, total_steps)
+        self.warmup_steps = max(0, min(warmup_steps, self.total_steps))
+        self.min_ratio = min_ratio
+
+    def __call__(self, step: int) -> float:
+        # ``step`` counts finished optimizer steps: step 0 uses the first warm-up value.
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {PRECISIONS}")
+    if precision == "fp32":
+        return None
+    if precision == "auto":
+        # bf16 pays off on GPUs with bf16 units; CPU autocast is slower than fp32 on most CPUs.
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else None
+    return torch.bfloat16
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    windows: torch.Tensor,
+    *,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    ctx=None,
+) -> float:
+    """Mean next-token cross-entropy (nats) over ``windows`` ``[n, seq_len]``.
+
+    Distributed: each rank scores a contiguous share and the sums are
+    all-reduced. Every rank runs the same number of forward passes (short
+    shares are padded with zero-weight rows) because FSDP gathers parameters
+    collectively in each forward.
+    """
+    from gwt_optim.toolkit.distributed import DistContext, all_reduce
+
+    ctx = ctx or DistContext(device=device)
+    was_training = model.training
+    model.eval()
+    per_rank = -(-len(windows) // ctx.world_size)
+    mine = windows[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    for start in range(0, per_rank, batch_size):
+        rows = mine[start : start + batch_size]
+        n_valid = len(rows)
+        want = min(batch_size, per_rank - start)
+        if n_valid < want:  # pad so every rank does the same forward passes
+            pad = windows[:1].expand(want - n_valid, -1)
+            rows = torch.cat([rows, pad]) if n_valid else pad
+        x = rows.to(device)
+        with _autocast(device, autocast_dtype):
+            logits = model(input_ids=x).logits
+        loss = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
+        ).view(len(x), -1)
+        total[0] += loss[:n_valid].double().sum()
+        total[1] += loss[:n_valid].numel()
+    all_reduce(total, ctx)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def _parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
+    from gwt_optim.toolkit.registry import parse_optimizer_arg
+
+    return parse_optimizer_arg(spec)
+
+
+def build_optimizer_for(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+    """The optimizer of ``cfg.optimizer`` and what it resolved to (name, lr, alpha, options)."""
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
+
+    name, opts = _parse_optimizer(cfg.optimizer)
+    resolved = {"name": name, "lr": opts.get("lr", cfg.lr), "scale": opts.get("scale", cfg.scale),
+                "options": dict(opts)}
+    ocfg = OptimizerConfig(
+        lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps, scale=cfg.scale,
+        recipe=cfg.recipe, options=opts,
+    )
+    return build_optimizer(name, model, ocfg), resolved
+
+
+def _no_sync(model: nn.Module, last: bool):
+    """Skip the gradient all-reduce on all but the last accumulation step."""
+    if last:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+
+        @contextlib.contextmanager
+        def fsdp_no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return fsdp_no_sync()
+    return contextlib.nullcontext()
+
+
+def _current_lr(optimizer: torch.optim.Optimizer) -> float:
+    return max(float(g["lr"]) for g in optimizer.param_groups)
+
+
+def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
+    from gwt_optim.toolkit.checkpoint import latest_checkpoint
+
+    run = Path(cfg.out)
+    if is_main and not cfg.resume and latest_checkpoint(run) is not None:
+        raise FileExistsError(
+            f"{run} already holds checkpoints of an earlier run; pass --resume to continue it "
+            "or choose another --out"
+        )
+    if is_main:
+        run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
+    """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
+
+    Raises :class:`NonFiniteLossError` when the loss stops being finite.
+    On ``KeyboardInterrupt`` a checkpoint of the last finished step is saved
+    first, so ``--resume`` continues exactly from there.
+    """
+    from tqdm.auto import tqdm
+
+    from gwt_optim.toolkit import checkpoint as ckpt
+    from gwt_optim.toolkit.data import build_data
+    from gwt_optim.toolkit.distributed import all_reduce, init_distributed, shard_rows, unwrap, wrap_model
+    from gwt_optim.toolkit.metrics import (
+        MetricsLog,
+        Throughput,
+        atomic_write_json,
+        cuda_peak_bytes,
+        environment,
+        peak_rss_bytes,
+        state_bytes,
+    )
+    from gwt_optim.toolkit.models import build_model, count_parameters
+
+    callbacks = list(callbacks)
+    dctx = init_distributed(cfg.device)
+    device = dctx.device
+    run = _prepare_run_dir(cfg, dctx.is_main)
+    dctx.barrier()
+
+    per_rank = cfg.batch_size // dctx.world_size
+    micro = cfg.micro_batch_size or per_rank
+    if cfg.batch_size % dctx.world_size or per_rank % micro:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} must split into {dctx.world_size} rank(s) x whole micro-batches "
+            f"of {micro}; pick --micro-batch-size dividing {per_rank}"
+        )
+    accum = per_rank // micro
+    amp = _autocast_dtype(cfg.precision, device)
+
+    data = build_data(
+        cfg.data, seq_len=cfg.seq_len, val_tokens=cfg.val_tokens, seed=cfg.seed, tokenizer=cfg.tokenizer,
+        vocab_size=cfg.vocab_size, progress=cfg.progress and dctx.is_main,
+    )
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every optimizer
+    model = build_model(cfg.model, tokenizer=data.tokenizer, max_seq_len=cfg.seq_len, pretrained=cfg.pretrained)
+    model.to(device)
+    n_params = count_parameters(model)
+    model = wrap_model(model, dctx, fsdp=cfg.fsdp)
+    optimizer, opt_info = build_optimizer_for(unwrap(model), cfg)
+    warmup_steps = int(round(cfg.warmup * cfg.steps)) if cfg.warmup < 1 else int(cfg.warmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, warmup_steps, cfg.min_lr_ratio))
+
+    start_step = 0
+    last_ckpt = ckpt.latest_checkpoint(run) if cfg.resume else None
+    if cfg.resume and last_ckpt is None and dctx.is_main:
+        print(f"--resume: no checkpoint in {run}; starting from step 0")
+    if last_ckpt is not None:
+        state = ckpt.load_checkpoint(last_ckpt, rank=dctx.rank, world_size=dctx.world_size)
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        data.train.load_state_dict(state["data"])
+        ckpt.set_rng_state(state["rng"])
+        start_step = int(state["step"])
+        del state
+
+    if dctx.is_main:
+        atomic_write_json(run / "config.json", cfg.to_dict())
+        env = environment(packages=("bitsandbytes", "torchao", "galore-torch", "apollo-torch", "adam-mini"))
+        env.update(world_size=dctx.world_size, fsdp=cfg.fsdp, device=str(device),
+                   autocast=str(amp) if amp else "fp32")
+        atomic_write_json(run / "environment.json", env)
+    log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
+    if dctx.is_main and last_ckpt is not None:
+        log.truncate_after(start_step)  # drop the records of steps this run will redo
+    elif dctx.is_main:
+        (run / "metrics.jsonl").unlink(missing_ok=True)
+
+    def save(step: int) -> None:
+        nonlocal last_ckpt
+        payload = {
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "data": data.train.state_dict(),
+            "rng": ckpt.rng_state(),
+            "step": step,
+        }
+        last_ckpt = ckpt.save_checkpoint(
+            run, step, payload, keep_last=cfg.keep_last, rank=dctx.rank, world_size=dctx.world_size,
+            sharded=cfg.fsdp and dctx.distributed, barrier=dctx.barrier,
+            meta={"optimizer": cfg.optimizer},
+        )
+
+    def run_eval(step: int) -> float:
+        val = evaluate(model, data.validation, batch_size=cfg.eval_batch_size, device=device,
+                       autocast_dtype=amp, ctx=dctx)
+        log.write({"step": step, "val_loss": val, "val_ppl": _ppl(val)})
+        return val
+
+    meter = Throughput(warmup=cfg.timing_warmup, device=device)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=opt_info["name"], unit="step",
+               disable=not (cfg.progress and dctx.is_main), dynamic_ncols=True)
+    model.train()
+    wall0 = time.perf_counter()
+    step = start_step
+    val_loss = None
+    recent: list[float] = []
+    try:
+        while step < cfg.steps:
+            for cb in callbacks:
+                cb.on_step_start(step + 1, model)
+            batch = shard_rows(data.train.next(cfg.batch_size), dctx)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            with meter.step(tokens_per_step):
+                for i in range(accum):
+                    x = batch[i * micro : (i + 1) * micro].to(device, non_blocking=True)
+                    with _no_sync(model, last=i == accum - 1), _autocast(device, amp):
+                        loss = model(input_ids=x, labels=x).loss / accum
+                        loss.backward()
+                    loss_sum += loss.detach().double()
+                all_reduce(loss_sum, dctx)
+                loss_value = float(loss_sum) / dctx.world_size
+                if not math.isfinite(loss_value):
+                    raise NonFiniteLossError(
+                        f"training loss is {loss_value} at step {step + 1}; stopped before applying it. "
+                        + (f"The last good checkpoint, {last_ckpt}, is intact (resume with --resume). "
+                           if last_ckpt else "No checkpoint was saved yet (use --save-every N). ")
+                        + "Lower --lr, set --grad-clip 1.0, or check the data."
+                    )
+                grad_norm = None
+                if cfg.grad_clip:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+                lr_now = _current_lr(optimizer)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step += 1
+            record = {"step": step, "loss": loss_value, "lr": lr_now, "tokens": step * tokens_per_step,
+                      "ms": 1000 * meter.last_seconds, "tokens_per_s": tokens_per_step / meter.last_seconds}
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            log.write(record)
+            recent = (recent + [loss_value])[-10:]
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            for cb in callbacks:
+                cb.on_step_end(step, record)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                val_loss = run_eval(step)
+                if dctx.is_main:
+                    bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                save(step)
+    except KeyboardInterrupt:
+        if step > start_step:
+            save(step)
+            if dctx.is_main:
+                print(f"\ninterrupted: checkpoint of step {step} saved in {last_ckpt}; continue with --resume")
+        raise
+    finally:
+        bar.close()
+        log.close()
+
+    val_loss = run_eval(step)
+    # Bytes are measured after training, when every state tensor exists.
+    sbytes = torch.tensor([state_bytes(optimizer)], dtype=torch.float64, device=device)
+    per_rank_state = int(sbytes.item())
+    all_reduce(sbytes, dctx)
+    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
+    all_reduce(rss, dctx, op=torch.distributed.ReduceOp.MAX)
+    save(step)
+    summary = {
+        "optimizer": cfg.optimizer,
+        "optimizer_name": opt_info["name"],
+        "lr": opt_info["lr"],
+        "scale": opt_info["scale"],
+        "options": opt_info["options"],
+        "val_loss": val_loss,
+        "val_ppl": _ppl(val_loss),
+        "train_loss": sum(recent) / len(recent) if recent else None,
+        "state_bytes": int(sbytes.item()),
+        "state_bytes_per_rank": per_rank_state,
+        "peak_rss_bytes": int(rss.item()),
+        "peak_gpu_bytes": cuda_peak_bytes(device),
+        "ms_per_step": meter.ms_per_step,
+        "tokens_per_s": meter.tokens_per_s,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "epochs": data.train.epochs_done,
+        "params": n_params,
+        "model": cfg.model,
+        "data": cfg.data,
+        "seed": cfg.seed,
+        "world_size": dctx.world_size,
+        "fsdp": cfg.fsdp,
+        "wall_s": time.perf_counter() - wall0,
+        "data_info": data.info,
+    }
+    if dctx.is_main:
+        atomic_write_json(run / "summary.json", summary)
+    return summary

@@ -1,0 +1,152 @@
+"""The training loop: schedule, a real run, exact resume, the NaN stop, checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gwt_optim.toolkit import checkpoint as ckpt
+from gwt_optim.toolkit.metrics import read_jsonl
+from gwt_optim.toolkit.train import Callback, NonFiniteLossError, WarmupCosine, train
+
+SUMMARY_KEYS = {"optimizer", "val_loss", "val_ppl", "state_bytes", "peak_rss_bytes", "tokens_per_s", "steps"}
+
+
+def _losses(run: str | Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(Path(run) / "metrics.jsonl") if "loss" in r]
+
+
+def test_warmup_cosine_schedule():
+    f = WarmupCosine(total_steps=100, warmup_steps=10, min_ratio=0.1)
+    assert [f(s) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert f(100) == pytest.approx(0.1) and f(1000) == pytest.approx(0.1)
+    after = [f(s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+
+
+def test_run_learns_and_writes_its_run_directory(tiny_config):
+    cfg = tiny_config(steps=12, eval_every=6, warmup=0.25)
+    summary = train(cfg)
+    run = Path(cfg.out)
+    assert SUMMARY_KEYS <= set(summary)
+    assert json.loads((run / "summary.json").read_text())["val_loss"] == summary["val_loss"]
+    assert summary["steps"] == 12 and summary["tokens"] == 12 * 4 * 32
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]))
+    # 2 moments per parameter (fp32) plus AdamW's step counters
+    assert summary["state_bytes"] >= 2 * 4 * summary["params"]
+    losses = _losses(run)
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0] - 0.3
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [6, 12]
+    config = json.loads((run / "config.json").read_text())
+    assert config["steps"] == 12 and config["optimizer"] == "adamw"
+    env = json.loads((run / "environment.json").read_text())
+    assert {"torch", "transformers", "git_commit", "cpu"} <= set(env)
+    lrs = [r["lr"] for r in read_jsonl(run / "metrics.jsonl") if "lr" in r]
+    assert max(lrs) == pytest.approx(3e-3) and lrs[0] < lrs[1]  # warm-up, then decay
+    assert ckpt.latest_checkpoint(run).name == "step_00000012"
+
+
+class _StopAt(Callback):
+    """Interrupt before step ``step`` starts, as Ctrl-C would."""
+
+    def __init__(self, step: int, exc: type[BaseException] = KeyboardInterrupt):
+        self.step, self.exc = step, exc
+
+    def on_step_start(self, step, model):
+        if step == self.step:
+            raise self.exc("stop")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "gwt-adamw:level=2:scale=0.25"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path, optimizer):
+    full = train(tiny_config(out=str(tmp_path / "full"), optimizer=optimizer))
+    # Ctrl-C before step 6: the loop saves a checkpoint of step 5 and re-raises.
+    part = tiny_config(out=str(tmp_path / "part"), optimizer=optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        train(part, callbacks=[_StopAt(6)])
+    assert ckpt.latest_checkpoint(part.out).name == "step_00000005"
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(part)
+    part.resume = True
+    resumed = train(part)
+    assert _losses(part.out) == _losses(tmp_path / "full")  # bitwise: same data, RNG, state
+    assert resumed["val_loss"] == full["val_loss"]
+
+
+def test_resume_after_a_crash_redoes_steps_since_the_last_checkpoint(tiny_config, tmp_path):
+    train(tiny_config(out=str(tmp_path / "full")))
+    part = tiny_config(out=str(tmp_path / "part"), save_every=3)
+    with pytest.raises(RuntimeError):
+        train(part, callbacks=[_StopAt(6, RuntimeError)])  # a crash saves nothing
+    assert ckpt.latest_checkpoint(part.out).name == "step_00000003"
+    part.resume = True
+    train(part)
+    assert _losses(part.out) == _losses(tmp_path / "full")
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+class _PoisonAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_start(self, step, model):
+        if step == self.step:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_config):
+    cfg = tiny_config(save_every=2, steps=10)
+    good = {}
+
+    class Snapshot(Callback):
+        def on_step_end(self, step, record):
+            if step == 4:  # the step-4 checkpoint is written right after this hook
+                return
+            last = ckpt.latest_checkpoint(cfg.out)
+            if last is not None and last.name == "step_00000004":
+                good.update(_digest(last))
+
+    with pytest.raises(NonFiniteLossError, match=r"step 6.*step_00000004.*intact"):
+        train(cfg, callbacks=[Snapshot(), _PoisonAt(6)])
+    last = ckpt.latest_checkpoint(cfg.out)
+    assert last.name == "step_00000004" and _digest(last) == good
+    state = ckpt.load_checkpoint(last)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert not list((Path(cfg.out) / "checkpoints").glob(".staging*"))
+    assert [r["step"] for r in read_jsonl(Path(cfg.out) / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, {"step": step, "x": torch.ones(3) * step}, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    # A save killed half-way leaves only a hidden staging folder, which is never picked up.
+    (tmp_path / "checkpoints" / ".staging_step_00000004").mkdir()
+    (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no meta.json: incomplete
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003"
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["x"].tolist() == [3.0] * 3
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_config, tmp_path):
+    one = tiny_config(out=str(tmp_path / "one"), steps=4, eval_every=0)
+    acc = tiny_config(out=str(tmp_path / "acc"), steps=4, eval_every=0, micro_batch_size=1)
+    a, b = train(one), train(acc)
+    assert _losses(one.out) == pytest.approx(_losses(acc.out), abs=1e-5)
+    assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5)
+
+
+def test_batch_that_does_not_split_is_rejected(tiny_config):
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        train(tiny_config(micro_batch_size=3))
