@@ -118,7 +118,7 @@ def _galore(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         "scale": cfg.scale,  # GaLore's alpha: the same module-wise scale GWT uses
         "proj_type": cfg.pop("proj_type", "std"),
     }
-    return GaLoreAdamW(_low_rank_groups(model, cfg, projected), **_adam_kwargs(cfg))
+    return GaLoreAdamW(_low_rank_groups(model, cfg, projected), no_deprecation_warning=True, **_adam_kwargs(cfg))
 
 
 def _apollo_factory(rank: int, scale_type: str, apollo_scale: float):

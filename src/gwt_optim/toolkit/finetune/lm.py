@@ -128,6 +128,9 @@ BUILTIN_MODELS: dict[str, Callable[[], ModelSource]] = {"smollm2": _smollm2}
 def resolve_model(name: str) -> ModelSource:
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]()
+    if name.endswith(".gguf") and Path(name).is_file():
+        path = Path(name).resolve()
+        return ModelSource(str(path.parent), path.name, f"{path.name} (GGUF, de-quantized to fp32)")
     if Path(name).is_dir():
         return ModelSource(name, None, name)
     prepare_hub_access()
@@ -444,6 +447,7 @@ class LMSettings:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     device: str = "auto"
+    tf32: bool = False
     progress: bool = True
 
 
@@ -495,7 +499,7 @@ def train_one(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if not math.isfinite(losses[-1]):
             break  # diverged: the perplexity below records it
@@ -519,17 +523,32 @@ def train_one(
     }
 
 
-def run_lm(methods: Sequence[str], settings: LMSettings, out_dir: str | Path, *, resume: bool = False) -> tuple[dict, str]:
-    """Run the whole comparison; write ``results.json`` after every run and ``results.md`` at the end."""
+def run_lm(
+    methods: Sequence[str],
+    settings: LMSettings,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    cache_dir: str | Path | None = None,
+) -> tuple[dict, str]:
+    """Run the whole comparison; write ``results.json`` after every run and ``results.md`` at the end.
+
+    ``cache_dir`` (default ``out_dir``) holds the de-quantized copy of a GGUF model.
+    """
     from gwt_optim.toolkit.metrics import environment
 
     specs = parse_methods(methods)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = pick_device(settings.device)
+    if settings.tf32:
+        # TF32 tensor-core matmuls (fp32 storage and optimizer math): several
+        # times faster on Ampere and later GPUs, the usual choice for fp32 training.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     source = resolve_model(settings.model)
     tokenizer = load_tokenizer(source)
-    source = cache_base_model(source, out_dir)
+    source = cache_base_model(source, Path(cache_dir) if cache_dir else out_dir)
     data = prepare_data(settings, tokenizer)
     results_path = out_dir / "results.json"
     key = {k: v for k, v in asdict(settings).items() if k not in ("progress", "device")}
@@ -639,7 +658,7 @@ def lm_report(results: dict, methods: Sequence[str]) -> str:
         f"## Causal-LM fine-tuning: {results['model']}\n\n"
         f"Data `{s['data']}` ({results['data']['format']}), {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
         f"tokens, cosine schedule with {s['warmup']:g} warm-up, grad-norm clip {s['max_grad_norm']}, "
-        f"module-wise alpha {s['scale']:g} for every method; validation: {results['data']['val_targets']:,} target "
+        f"module-wise alpha {s['scale']:g} for every method, fp32{' with TF32 matmuls' if s.get('tf32') else ''}; validation: {results['data']['val_targets']:,} target "
         f"tokens. Learning rate chosen per method from {', '.join(f'{x:g}' for x in lrs)} by validation perplexity. "
         f"Hardware: {hw}; commit {env.get('git_commit') or 'unknown'}.\n\n"
         + markdown_table(header, rows)
@@ -662,12 +681,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=d.model,
-        help=f"{', '.join(BUILTIN_MODELS)} (offline, shipped by a package), a local model directory, or a hub id",
+        help=f"{', '.join(BUILTIN_MODELS)} (offline, shipped by a package), a .gguf file, a local model directory, "
+        "or a hub id",
     )
     p.add_argument("--data", default=d.data, help="a corpus name of the toolkit (demo), a .txt file, or Alpaca .json/.jsonl")
     p.add_argument("--format", choices=("auto", "text", "alpaca"), default=d.format)
     p.add_argument("--val-data", default=None, help="validation file (default: hold out --val-fraction of --data)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    p.add_argument(
+        "--val-fraction", type=float, default=d.val_fraction, help="Alpaca records held out when there is no --val-data"
+    )
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated registry optimizers with options, and lora:r=8|auto")
     p.add_argument("--lrs", default=",".join(f"{x:g}" for x in d.lrs), help="learning-rate grid, the same for every method")
     p.add_argument("--steps", type=int, default=d.steps)
@@ -680,7 +702,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (recorded in the results)")
     p.add_argument("--out", default="results/finetune-lm", help="directory for results.json, results.md and the model cache")
+    p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: --out)")
     p.add_argument("--resume", action="store_true", help="skip the (method, lr) runs already in OUT/results.json")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -703,8 +727,9 @@ def main(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm or None,
         seed=args.seed,
         device=args.device,
+        tf32=args.tf32,
         progress=not args.no_progress,
     )
-    _, report = run_lm(args.methods.split(","), settings, args.out, resume=args.resume)
+    _, report = run_lm(args.methods.split(","), settings, args.out, resume=args.resume, cache_dir=args.cache_dir)
     print(report)
     return 0
