@@ -9,6 +9,16 @@ from gwt_optim import wavelets
 from gwt_optim.optim import GWTAdafactor
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: with two pytest workers on two cores, intra-op threads
+    only contend (a 32x32 matmul goes from microseconds to milliseconds)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 8, 12), (17,)])
 def test_level0_matches_torch_adafactor(shape):
     g = torch.Generator().manual_seed(0)

@@ -16,6 +16,16 @@ transformers = pytest.importorskip("transformers")
 DIM, HEADS, KV_HEADS = 64, 4, 2
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: with two pytest workers on two cores, intra-op threads
+    only contend (a 32x32 matmul goes from microseconds to milliseconds)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_llama(hidden=DIM, heads=HEADS, kv=KV_HEADS, vocab=256):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

@@ -30,6 +30,16 @@ CFG = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: with two pytest workers on two cores, intra-op threads
+    only contend (a 32x32 matmul goes from microseconds to milliseconds)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_llama(seed: int = 0):
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG))
@@ -127,7 +137,8 @@ def _registry(name, level):
     def make(model):
         from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
 
-        return build_optimizer(name, model, OptimizerConfig(lr=1e-3, scale=0.25, options={"level": level}))
+        opts = {"level": level, **({"ns_dtype": "float32"} if name == "gwt-muon" else {})}
+        return build_optimizer(name, model, OptimizerConfig(lr=1e-3, scale=0.25, options=opts))
 
     return make
 

@@ -14,6 +14,16 @@ from gwt_optim.optim import GWTMuon
 from gwt_optim.optim.muon import adjust_lr_ratio, zeropower_via_newtonschulz
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: with two pytest workers on two cores, intra-op threads
+    only contend (a 32x32 matmul goes from microseconds to milliseconds)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _pair(shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(shape, generator=g)

@@ -233,7 +233,10 @@ def llama_skeleton(config: Mapping[str, Any]) -> nn.Module:
             for _ in range(config["num_hidden_layers"])
         )
         root = block(
-            model=block(embed_tokens=nn.Embedding(vocab, h), layers=layers, norm=nn.RMSNorm(h)),
+            # _weight skips Embedding's init, whose import of torch._dynamo costs seconds
+            model=block(
+                embed_tokens=nn.Embedding(vocab, h, _weight=torch.empty(vocab, h)), layers=layers, norm=nn.RMSNorm(h)
+            ),
             lm_head=nn.Linear(h, vocab, bias=False),
         )
     if config.get("tie_word_embeddings", False):
@@ -269,6 +272,12 @@ def tensor_specs(
     ]
 
 
+@functools.lru_cache(maxsize=32)
+def _config_specs(config_json: str, recipe: str, dim: int | None, n_heads: int | None) -> list[TensorSpec]:
+    # A table asks for the same config once per optimizer; build its skeleton once.
+    return tensor_specs(llama_skeleton(json.loads(config_json)), recipe, dim=dim, n_heads=n_heads)
+
+
 # --------------------------------------------------------------------------- #
 # Analytic state, tensor by tensor
 # --------------------------------------------------------------------------- #
@@ -291,7 +300,8 @@ Rule = Callable[[TensorSpec, Settings], int]
 
 
 def _approx_numel(t: TensorSpec, level: int) -> int:
-    """Entries of A_l: the rows times ceil(n / 2^l) columns (GWT on ndim >= 2)."""
+    """Entries of A_l: the rows times ceil(n / 2^l) columns (GWT on ndim >= 2;
+    level 0 is the tensor itself)."""
     if len(t.shape) < 2:
         return t.numel
     from gwt_optim.wavelets import approx_length
@@ -332,22 +342,20 @@ def _adam_mini(t: TensorSpec, s: Settings, *, level: int = 0, step_bytes: int = 
         "neuron": t.rows,
         "tensor": 1,
     }[t.block]
-    first = _approx_numel(t, level) if level else t.numel
-    return (first + blocks) * s.state_bytes + step_bytes + (s.scalar_bytes if limiter else 0)
+    return (_approx_numel(t, level) + blocks) * s.state_bytes + step_bytes + (s.scalar_bytes if limiter else 0)
 
 
 def _muon(t: TensorSpec, s: Settings, *, level: int = 0, step_bytes: int = 0) -> int:
-    return (_approx_numel(t, level) if level else t.numel) * s.state_bytes + step_bytes
+    return _approx_numel(t, level) * s.state_bytes + step_bytes
 
 
-def _adafactor(t: TensorSpec, s: Settings, *, level: int = 0, first_moment: bool = False, limiter: bool = False) -> int:
+def _adafactor(t: TensorSpec, s: Settings, *, level: int = 0, limiter: bool = False) -> int:
     if len(t.shape) < 2:
         return t.numel * s.state_bytes + 4
-    cols = _approx_numel(t, level) // t.rows if level else t.cols
-    lead = math.prod(t.shape[:-2])
-    factored = (t.rows + lead * cols) * s.state_bytes
-    momentum = t.rows * cols * s.state_bytes if first_moment else 0
-    return factored + momentum + 4 + (s.scalar_bytes if limiter else 0)
+    cols = _approx_numel(t, level) // t.rows
+    # row statistics per row, column statistics per (leading index, column)
+    factored = (t.rows + math.prod(t.shape[:-2]) * cols) * s.state_bytes
+    return factored + 4 + (s.scalar_bytes if limiter else 0)
 
 
 def _gwt_adam(t: TensorSpec, s: Settings, *, level: int, limiter: bool) -> int:
@@ -422,14 +430,12 @@ ESTIMATORS: dict[str, Estimator] = {
     ),
 }
 
-# Registry names of the same optimizers (gwt_optim.toolkit) -> estimator names.
+# Registry names of the same optimizers (gwt_optim.toolkit.peers) -> estimator
+# names. bitsandbytes' adam8bit has torchao's layout up to its small-tensor rule.
 ALIASES = {
-    "torch-adamw": "adamw",
     "adam8bit": "adamw8bit",
-    "bnb-adamw8bit": "adamw8bit",
-    "galore-adamw": "galore",
-    "apollo-adamw": "apollo",
-    "adam_mini": "adam-mini",
+    "torchao-adamw8bit": "adamw8bit",
+    "torchao-adamw4bit": "adamw4bit",
 }
 
 
@@ -515,13 +521,14 @@ def estimate(
         label = type(model).__name__
         if dtype is None:
             dtype = next(model.parameters()).dtype
+        specs = tensor_specs(model, recipe, dim=dim, n_heads=n_heads)
+        d, _ = _model_dims(model, dim, n_heads)
     else:
         config = load_config(model_or_config)
-        model = llama_skeleton(config)
         label = str(model_or_config) if not isinstance(model_or_config, Mapping) else "config"
         dtype = dtype or torch.bfloat16
-    specs = tensor_specs(model, recipe, dim=dim, n_heads=n_heads)
-    d, heads = _model_dims(model, dim, n_heads)
+        specs = _config_specs(json.dumps(config, sort_keys=True), recipe, dim, n_heads)
+        d = dim or config["hidden_size"]
     if rank is None:
         rank = max((d or 256) // 4, 1)
     dtype = _resolve_dtype(dtype)

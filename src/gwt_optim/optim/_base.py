@@ -38,15 +38,19 @@ in two implementations that are tested against each other:
         \Delta_{\mathrm{block}\,k} = \frac{\alpha}{r}\Big(\frac{U_k}{2^{l/2}}
         + \frac{G_{\mathrm{block}\,k} - \overline{G}_{\mathrm{block}\,k}}{\mathrm{den}_k}\Big),
 
-    so a step is one reduction pass over :math:`G` and one fused update pass
-    over :math:`W` and :math:`G` (compiled with ``torch.compile`` where that is
-    available, see ``compile``).
+    so a step is one reduction pass over :math:`G` and one update pass over
+    :math:`W` and :math:`G`. A family may run both as fused kernels
+    (:meth:`GWTOptimizer._fused_kernel`; GWT-AdamW does, see
+    :mod:`gwt_optim.optim._fused` and the ``compile`` argument); the eager
+    tensor operations here are the fallback for everything else.
 
 Only the limiter needs a whole-matrix reduction, so the step is split in two
 phases around it. Under FSDP2, parameters are DTensors sharded along dim 0: the
 transform along the last axis is local to each row shard and the limiter's
 squared norms of all parameters are summed across ranks in one all-reduce, so
-sharded and single-process training agree.
+sharded and single-process training agree. Parameters that need no collective
+run phase 2 right after their own phase 1, while their gradient is still in
+cache; the results are the same.
 
 Parameters with fewer than two dimensions are updated by the plain family
 (no transform, :math:`\alpha = 1`, no limiter).
@@ -63,6 +67,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
+from gwt_optim.optim import _fused
 
 __all__ = ["GWTOptimizer", "ParamStep", "IMPLEMENTATIONS"]
 
@@ -96,7 +101,9 @@ class ParamStep:
     den: Tensor | None  # per-approximation-coefficient normalizer, None = 1
     coeffs: wavelets.Coefficients | None = None  # reference path only
     limited: bool = False
-    norm_sq: Tensor | None = None
+    norm_sq: Tensor | float | None = None  # a float from fused CPU kernels
+    fused: Any = None  # the fused kernel backend running this parameter, if any
+    carry: Any = None  # what the fused phase 1 leaves for its phase 2
 
 
 class GWTOptimizer(Optimizer):
@@ -104,9 +111,13 @@ class GWTOptimizer(Optimizer):
 
     Subclasses implement :meth:`_init_family_state`, :meth:`_approx_update`
     and :meth:`_step_factor`, and may override :meth:`_postprocess`,
-    :meth:`_validate_family` and :meth:`_plain_update` (the update of
-    parameters that take no transform; by default the same family update at
-    level 0).
+    :meth:`_validate_family` and :meth:`_fused_kernel` (fused kernels for the
+    whole transformed step of some parameters).
+
+    ``compile`` chooses fused kernels where a family has them: ``None`` (auto:
+    where they can be built, else the eager path with one warning), ``True``
+    (required: a build failure raises), ``False`` (never), or a backend name
+    from :data:`gwt_optim.optim._fused.BACKENDS` to force one.
     """
 
     def __init__(
@@ -128,6 +139,7 @@ class GWTOptimizer(Optimizer):
         }
         base.update(defaults)
         self._validate_group(base)
+        _fused.check_compile_option(compile)
         self._impl = impl
         self._compile = compile
         super().__init__(params, base)
@@ -211,6 +223,20 @@ class GWTOptimizer(Optimizer):
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
+    def _fused_kernel(self, group: dict, w: Tensor, G: Tensor, level: int) -> Any | None:
+        """A fused kernel backend for the transformed Haar step of this
+        parameter (level >= 1, fast path), or ``None`` for the generic path.
+
+        A backend provides ``phase1(group, state, G, level, step, private) ->
+        (norm_sq, carry)``, which updates the family state and returns the
+        limiter's squared norm, and ``phase2(w, G, level, carry, r, scale,
+        decay)``, which applies ``w <- w * decay - scale / r * delta``.
+        ``private`` says the carry must not share memory with the next
+        parameter's (phase 2 is deferred). Fused steps skip
+        :meth:`_postprocess`. The default has none.
+        """
+        return None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping each state tensor's saved dtype.
 
@@ -241,19 +267,28 @@ class GWTOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        pending: list[ParamStep] = []
+        deferred: list[ParamStep] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                pending.append(self._phase1(p, group))
+                ps = self._phase1(p, group)
+                if self._needs_collective(ps):
+                    deferred.append(ps)
+                else:
+                    self._phase2(ps)
 
-        self._reduce_limiter_norms(pending)
-        for ps in pending:
+        self._reduce_limiter_norms(deferred)
+        for ps in deferred:
             self._phase2(ps)
         return loss
+
+    @staticmethod
+    def _needs_collective(ps: ParamStep) -> bool:
+        """Whether phase 2 must wait for the all-reduce of the limiter's norms."""
+        return ps.limited and _is_dtensor(ps.full_param)
 
     def _compute_dtype(self, p: Tensor) -> torch.dtype:
         # Math runs in at least fp32 whatever the parameter dtype.
@@ -281,18 +316,22 @@ class GWTOptimizer(Optimizer):
         # dims and shard like it under FSDP2.
         G = g.to(cdt)
 
-        coeffs = None
+        coeffs = A = fused = None
         if level == 0:
             A = G
         elif self._use_fast(group, level):
-            A = _haar_approx(G, level)
+            fused = self._fused_kernel(group, w, G, level)
+            if fused is None:
+                A = _haar_approx(G, level)
         else:
             coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
             A = coeffs.approx
 
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            self._init_family_state(group, state, A, self._moment_dtype(group, cdt), transformed)
+            # The fused kernels compute A themselves; the state only needs its shape.
+            approx = A if A is not None else G.new_empty((*G.shape[:-1], wavelets.approx_length(G.shape[-1], level)))
+            self._init_family_state(group, state, approx, self._moment_dtype(group, cdt), transformed)
             if self._limiter_enabled(group, transformed):
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
             if _is_dtensor(p):
@@ -302,6 +341,13 @@ class GWTOptimizer(Optimizer):
 
         # Families see (and update in place) the local shards of their state.
         lstate = {k: _local(v) for k, v in state.items()} if _is_dtensor(p) else state
+        if fused is not None:
+            norm_sq, carry = fused.phase1(group, lstate, G, level, step, _is_dtensor(p))
+            ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, carry=carry)
+            if self._limiter_enabled(group, transformed):
+                ps.limited = True
+                ps.norm_sq = norm_sq
+            return ps
         U, den = self._approx_update(group, lstate, A, step, transformed)
         ps = ParamStep(w, p, G, lstate, group, transformed, level, A, U, den, coeffs)
         if self._limiter_enabled(group, transformed):
@@ -334,9 +380,16 @@ class GWTOptimizer(Optimizer):
             mesh = steps[0].full_param.device_mesh
             if mesh.size() == 1:
                 continue
-            flat = torch.stack([ps.norm_sq for ps in steps])
-            dist.all_reduce(flat, group=mesh.get_group())
-            for ps, v in zip(steps, flat.unbind()):
+            values = [ps.norm_sq for ps in steps]
+            if all(isinstance(v, Tensor) for v in values):
+                flat = torch.stack(values)
+                dist.all_reduce(flat, group=mesh.get_group())
+                summed = flat.unbind()
+            else:  # fused CPU kernels return Python floats
+                flat = torch.tensor([float(v) for v in values], dtype=torch.float64)
+                dist.all_reduce(flat, group=mesh.get_group())
+                summed = flat.tolist()
+            for ps, v in zip(steps, summed):
                 ps.norm_sq = v
 
     def _limit(self, ps: ParamStep) -> Tensor | float:
@@ -344,8 +397,15 @@ class GWTOptimizer(Optimizer):
         if not ps.limited:
             return 1.0
         gamma = ps.group["norm_growth_limit"]
-        norm = ps.norm_sq.sqrt()
         s = ps.state["limiter_norm"]
+        if not isinstance(ps.norm_sq, Tensor):
+            # A float from a fused CPU kernel: scalar math, no tiny tensor ops.
+            norm = math.sqrt(ps.norm_sq)
+            first = ps.state["step"].item() == 1
+            r_ = 1.0 if first else max(norm / (s.item() + _LIMITER_EPS), gamma) / gamma
+            s.fill_(norm / r_)
+            return r_
+        norm = ps.norm_sq.sqrt()
         if ps.state["step"].item() == 1:
             r = torch.ones((), dtype=norm.dtype, device=norm.device)
         else:
@@ -359,6 +419,12 @@ class GWTOptimizer(Optimizer):
         r = self._limit(ps)
         scale = group["scale"] if ps.transformed else 1.0
         w = ps.param
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, Tensor) else lr
+        if ps.fused is not None:
+            step_size = lr * self._step_factor(group, state, step)
+            ps.fused.phase2(w, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
+            return
         if ps.coeffs is not None:
             delta = _reference_inverse(ps.coeffs, ps.U, ps.den, r) * scale
         else:
@@ -369,8 +435,6 @@ class GWTOptimizer(Optimizer):
                 delta = _haar_delta(ps.grad, ps.A, ps.U, ps.den, coef, ps.level)
         delta = self._postprocess(group, state, delta, ps.transformed)
 
-        lr = group["lr"]
-        lr = lr.item() if isinstance(lr, Tensor) else lr
         wd = group["weight_decay"]
         step_size = lr * self._step_factor(group, state, step)
         if w.dtype == delta.dtype:

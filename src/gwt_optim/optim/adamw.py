@@ -53,6 +53,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from gwt_optim.optim import _fused
 from gwt_optim.optim._base import GWTOptimizer
 
 __all__ = ["GWTAdamW"]
@@ -78,6 +79,13 @@ class GWTAdamW(GWTOptimizer):
             ``"bfloat16"`` to halve moment memory again, or ``"float64"``.
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
+        compile: fused kernels for the fast Haar step (see
+            :mod:`gwt_optim.optim._fused`): ``None`` (default) uses them where
+            they can be built -- a small C library on CPU (built once with the
+            system C compiler, cached in ``~/.cache/gwt_optim``), ``torch.compile``
+            on CUDA -- and otherwise the eager path, with one warning;
+            ``True`` makes a build failure an error; ``False`` always runs
+            eager; ``"native"`` or ``"inductor"`` forces that backend.
     """
 
     def __init__(
@@ -108,6 +116,17 @@ class GWTAdamW(GWTOptimizer):
             moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
+        self._kernels: _fused.AdamWHaarKernels | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_kernels", None)
+
+    def _fused_kernel(self, group, w, G, level):
+        if self._kernels is None:
+            # Built lazily: the C compiler or torch.compile runs on the first step only.
+            self._kernels = _fused.AdamWHaarKernels(self._compile)
+        return self._kernels.select(w, G, self._moment_dtype(group, G.dtype), level)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         betas = g["betas"]

@@ -64,13 +64,13 @@ def _same_config(run: Path, config: dict[str, Any]) -> bool:
 
 def run_compare(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.pretrain import resolve_config
-    from gwt_optim.toolkit.recipes import DEMO, DEMO_OPTIMIZERS, paper_optimizers
+    from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, paper_optimizers
     from gwt_optim.toolkit.registry import parse_optimizer_arg
     from gwt_optim.toolkit.report import write_report
 
     if args.list:
         return _list_optimizers()
-    base = resolve_config(args, base=None if args.paper else DEMO)
+    base = resolve_config(args)
     if args.optimizers:
         specs = [s.strip() for s in args.optimizers.split(",") if s.strip()]
     else:

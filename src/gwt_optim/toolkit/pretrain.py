@@ -51,7 +51,7 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--recipe", choices=("paper", "hidden"), default=S,
                    help="which weights get alpha and the transform (default: paper = attention + MLP)")
     g.add_argument("--steps", type=int, default=S, help="optimizer steps (default 200)")
-    g.add_argument("--batch-size", type=int, default=S, help="sequences per optimizer step, all ranks (default 16)")
+    g.add_argument("--batch-size", type=int, default=S, help="sequences per optimizer step, all ranks (default 8)")
     g.add_argument("--micro-batch-size", type=int, default=S,
                    help="sequences per forward pass and rank; gradient accumulation makes up the rest")
     g.add_argument("--warmup", type=float, default=S, help="warm-up: fraction of steps if < 1, else steps (0.1)")
@@ -62,8 +62,8 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--seed", type=int, default=S, help="weights and data order (default 0)")
 
     g = p.add_argument_group("evaluation, checkpoints, hardware")
-    g.add_argument("--eval-every", type=int, default=S, help="validate every N steps, and at the end (default 50)")
-    g.add_argument("--val-tokens", type=int, default=S, help="validation token budget (default 32768)")
+    g.add_argument("--eval-every", type=int, default=S, help="validate every N steps, and at the end (default 25)")
+    g.add_argument("--val-tokens", type=int, default=S, help="validation token budget (default 16384)")
     g.add_argument("--eval-batch-size", type=int, default=S, help="sequences per validation forward pass (16)")
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end only)")
     g.add_argument("--keep-last", type=int, default=S, help="checkpoints to keep (default 2)")
@@ -77,14 +77,13 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
 _NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node"}
 
 
-def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None):
-    """Defaults < ``base`` (a recipe) < ``--paper`` < ``--config`` < given flags."""
-    from gwt_optim.toolkit.recipes import paper_recipe
+def resolve_config(args: argparse.Namespace):
+    """Defaults < the demo recipe, or ``--paper SIZE`` < ``--config`` < given flags."""
+    from gwt_optim.toolkit.recipes import DEMO, paper_recipe
     from gwt_optim.toolkit.train import TrainConfig
 
-    merged: dict[str, Any] = dict(base or {})
-    if getattr(args, "paper", None):
-        merged.update(paper_recipe(args.paper))
+    paper = getattr(args, "paper", None)
+    merged: dict[str, Any] = paper_recipe(paper) if paper else dict(DEMO)
     if getattr(args, "config", None):
         with open(args.config) as f:
             merged.update(json.load(f))

@@ -7,9 +7,10 @@ override it.
 The demo
     A small LLaMA (the shipped ``llama_9m`` shape: hidden 128, 4 layers, 4
     heads) with the demo BPE's 4,096-token vocabulary, about 1.9M parameters,
-    on the bundled KJV corpus, sequences of 256, 16 per step. Sized to finish
-    ``compare`` with six optimizers in about ten minutes on two CPU cores,
-    within one epoch of the training split. Every optimizer's learning rate
+    on the bundled KJV corpus, sequences of 256, 8 per step, 200 steps (410K
+    tokens, under half an epoch of the training split). Sized to finish
+    ``compare`` with six optimizers in about ten minutes on two idle CPU cores.
+    Every optimizer's learning rate
     comes from the same grid search (``benchmarks/quality.py``).
 ``--paper SIZE``
     The GWT paper's C4 setting (after GaLore): LLaMA ``SIZE`` (60m, 130m,
@@ -31,11 +32,11 @@ DEMO: dict[str, Any] = {
     "tokenizer": "bpe",
     "vocab_size": 4096,
     "seq_len": 256,
-    "batch_size": 16,
-    "steps": 150,
+    "batch_size": 8,
+    "steps": 200,
     "warmup": 0.1,
     "eval_every": 25,
-    "val_tokens": 32768,
+    "val_tokens": 16384,
 }
 
 # Learning rates: the best of the grid {1e-3, 3e-3, 1e-2} for each optimizer on

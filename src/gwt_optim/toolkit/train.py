@@ -65,14 +65,14 @@ class TrainConfig:
     recipe: str = "paper"  # which weights get alpha / the transform (gwt_optim.groups)
     steps: int = 200
     seq_len: int = 256
-    batch_size: int = 16  # sequences per optimizer step, all ranks together
+    batch_size: int = 8  # sequences per optimizer step, all ranks together
     micro_batch_size: int | None = None  # per rank and forward pass; None: batch_size / world
     warmup: float = 0.1  # < 1: fraction of steps; >= 1: number of steps
     min_lr_ratio: float = 0.1
     grad_clip: float | None = None
     precision: str = "auto"  # auto (bf16 on CUDA if supported, else fp32), bf16, fp32
-    eval_every: int = 50
-    val_tokens: int = 32768
+    eval_every: int = 25
+    val_tokens: int = 16384
     eval_batch_size: int = 16
     seed: int = 0
     save_every: int = 0  # 0: checkpoint only at the end (and on Ctrl-C)

@@ -29,6 +29,7 @@ __all__ = [
     "optimizer_state_bytes",
     "markdown_table",
     "pick_device",
+    "run_measured",
 ]
 
 
@@ -85,11 +86,29 @@ def from_hub(what: str, name: str, load: Callable[[], T], *, fix: str) -> T:
         return load()
     except (OSError, ConnectionError, ValueError) as exc:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        reason = "the Hugging Face hub is unreachable (offline mode)" if offline else f"loading failed: {exc}"
+        reason = f"{type(exc).__name__}: {exc}" + (" (Hugging Face hub offline mode is on)" if offline else "")
         raise HubUnavailable(
             f"cannot load {what} {name!r}: {reason}. Either run once where the hub is reachable so that "
             f"it lands in the Hugging Face cache (then it also works offline), or {fix}."
         ) from exc
+
+
+def run_measured(isolate: bool, fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)``, in a fresh process when ``isolate``.
+
+    A process's resident set does not shrink back after a run: the C
+    allocator keeps freed blocks of a few MiB (most weight matrices) for
+    reuse. So on CPU, where peak memory is the process's peak RSS, every run
+    gets its own spawned process and its peak is that run's alone. ``fn`` and
+    ``args`` must be picklable (module-level functions, dataclasses, tensors).
+    """
+    if not isolate:
+        return fn(*args)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def pick_device(name: str = "auto") -> torch.device:

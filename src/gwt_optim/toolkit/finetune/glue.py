@@ -49,6 +49,7 @@ from gwt_optim.toolkit.finetune.common import (
     parse_methods,
     pick_device,
     prepare_hub_access,
+    run_measured,
 )
 
 __all__ = [
@@ -307,6 +308,8 @@ class GlueSettings:
     max_eval_samples: int | None = None
     seed: int = 42
     device: str = "auto"
+    # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
+    isolate: bool | None = None
     progress: bool = True
 
 
@@ -362,6 +365,7 @@ def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSe
     scores = score_task(task, predictions, references)
     return {
         "task": task.name,
+        # Kept small and picklable: a spawned worker sends this back.
         "method": spec.label,
         "scores": scores,
         "train_loss": float(train_out.training_loss),
@@ -390,6 +394,7 @@ def run_glue(
     if not Path(settings.model).exists() or settings.data_dir is None:
         prepare_hub_access()
     tokenizer = _load_tokenizer(settings.model)
+    isolate = pick_device(settings.device).type == "cpu" if settings.isolate is None else settings.isolate
     records: list[dict] = []
     for name in tasks:
         task = GLUE_TASKS[name]
@@ -398,7 +403,8 @@ def run_glue(
         data = _tokenize(data, tokenizer, task, settings.max_length)
         for spec in specs:
             print(f"[finetune glue] {task.title} with {spec.label}", flush=True)
-            record = _run_one(task, spec, tokenizer, data, settings, out_dir / "runs" / f"{name}-{_slug(spec.label)}")
+            work_dir = out_dir / "runs" / f"{name}-{_slug(spec.label)}"
+            record = run_measured(isolate, _run_one, task, spec, tokenizer, data, settings, work_dir)
             records.append(record)
             atomic_write_json(out_dir / "results.json", {"settings": settings.__dict__, "runs": records})
     report = glue_report(records, tasks, [s.label for s in specs], settings)
@@ -496,6 +502,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-eval-samples", type=int, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument(
+        "--isolate",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="run each (method, task) in its own process so peak RSS is per run (auto: on CPU)",
+    )
     p.add_argument("--out", default="results/finetune-glue", help="directory for results.json and results.md")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -517,6 +529,7 @@ def main(args: argparse.Namespace) -> int:
         max_eval_samples=args.max_eval_samples,
         seed=args.seed,
         device=args.device,
+        isolate={"auto": None, "yes": True, "no": False}[args.isolate],
         progress=not args.no_progress,
     )
     _, report = run_glue(tasks, args.methods.split(","), settings, args.out)

@@ -55,6 +55,7 @@ from gwt_optim.toolkit.finetune.common import (
     parse_methods,
     pick_device,
     prepare_hub_access,
+    run_measured,
 )
 
 __all__ = [
@@ -448,6 +449,8 @@ class LMSettings:
     seed: int = 0
     device: str = "auto"
     tf32: bool = False
+    # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
+    isolate: bool | None = None
     progress: bool = True
 
 
@@ -551,7 +554,7 @@ def run_lm(
     source = cache_base_model(source, Path(cache_dir) if cache_dir else out_dir)
     data = prepare_data(settings, tokenizer)
     results_path = out_dir / "results.json"
-    key = {k: v for k, v in asdict(settings).items() if k not in ("progress", "device")}
+    key = {k: v for k, v in asdict(settings).items() if k not in ("progress", "device", "isolate")}
     key["lrs"] = list(key["lrs"])
     previous = json.loads(results_path.read_text()) if resume and results_path.is_file() else None
     if previous is not None and previous.get("settings") != key:
@@ -568,12 +571,13 @@ def run_lm(
         results["val_ppl_before"] = perplexity(load_model(source, device), data.val, device)
         atomic_write_json(results_path, results)
     done = {(r["method"], r["lr"]) for r in results["runs"]}
+    isolate = device.type == "cpu" if settings.isolate is None else settings.isolate
     for spec in specs:
         for lr in settings.lrs:
             if (spec.label, lr) in done:
                 continue
             t0 = time.perf_counter()
-            record = train_one(spec, lr, source, data, settings, device)
+            record = run_measured(isolate, train_one, spec, lr, source, data, settings, device)
             record["wall_seconds"] = time.perf_counter() - t0
             results["runs"].append(record)
             atomic_write_json(results_path, results)
@@ -611,13 +615,16 @@ def lm_report(results: dict, methods: Sequence[str]) -> str:
         r = best.get(m)
         if r is None:
             continue
-        vs = f"{100 * (r['val_ppl'] / ref['val_ppl'] - 1):+.2f}%" if ref else "-"
-        state_vs = (
-            f"{100 * (1 - r['optimizer_state_bytes'] / ref['optimizer_state_bytes']):.0f}% less"
-            if ref and ref["optimizer_state_bytes"]
-            else "-"
-        )
-        tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
+        if r is ref:
+            vs = state_vs = "ref"
+        else:
+            vs = f"{100 * (r['val_ppl'] / ref['val_ppl'] - 1):+.2f}%" if ref else "-"
+            state_vs = (
+                f"{100 * (1 - r['optimizer_state_bytes'] / ref['optimizer_state_bytes']):.0f}% less"
+                if ref and ref["optimizer_state_bytes"]
+                else "-"
+            )
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         name = m + (f" (r={r['lora_r']})" if "lora_r" in r and "r=" not in m.replace("r=auto", "") else "")
         rows.append(
             [
@@ -703,6 +710,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (recorded in the results)")
+    p.add_argument(
+        "--isolate",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="run each (method, lr) in its own process so peak RSS is per run (auto: on CPU)",
+    )
     p.add_argument("--out", default="results/finetune-lm", help="directory for results.json, results.md and the model cache")
     p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: --out)")
     p.add_argument("--resume", action="store_true", help="skip the (method, lr) runs already in OUT/results.json")
@@ -728,6 +741,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         tf32=args.tf32,
+        isolate={"auto": None, "yes": True, "no": False}[args.isolate],
         progress=not args.no_progress,
     )
     _, report = run_lm(args.methods.split(","), settings, args.out, resume=args.resume, cache_dir=args.cache_dir)

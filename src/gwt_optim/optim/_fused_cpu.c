@@ -1,0 +1,192 @@
+/*
+ * Fused CPU kernels of the GWT-AdamW step with the Haar wavelet.
+ *
+ * Built on first use by gwt_optim.optim._fused with the system C compiler
+ * (what torch.compile needs on CPU too) and called through ctypes. For rows
+ * of n entries cut into blocks of B = 2^level columns (the last block
+ * zero-padded), with h = 2^(-level/2):
+ *
+ *   phase 1  A_k = h * sum(block_k)
+ *            M = lerp(M, A, 1 - beta1), V = beta2 V + (1 - beta2) A^2
+ *            d_k = 1 / den_k, den = sqrt(V) + eps2   (d_k = 0 where den_k = 0)
+ *            t_k = h (M_k - A_k) d_k
+ *            returns sum_k (M_k d_k)^2, the limiter's squared norm
+ *   phase 2  W = W * decay - step * coef * (G d_k + t_k) on block k
+ *
+ * which is the closed form of the inverse transform in _base._haar_delta
+ * with q = coef d and c = coef t. d and t are an A-sized workspace the caller
+ * passes between the phases, so phase 2 neither recomputes the block sums
+ * nor a square root and a division per block. When the caller runs phase 2
+ * of a parameter right after its phase 1, the gradient and the workspace
+ * are still in cache and the step reads G, M and V once and W once.
+ *
+ * Everything is written as simple loops over contiguous arrays that GCC and
+ * Clang vectorize at -O3 (with -fno-trapping-math, so that the selects
+ * around the divisions are if-converted). Each kernel is instantiated for
+ * float and double, and specialized for block sizes 2, 4, 8 and 16, so the
+ * block loops unroll; larger levels use a generic block size.
+ */
+#include <stdint.h>
+#include <tgmath.h> /* sqrt of a float stays a float */
+
+typedef struct {
+    double h;     /* 2^(-level/2) */
+    double w1;    /* 1 - beta1, the lerp weight of M */
+    double beta2;
+    double eps2;  /* eps * sqrt(1 - beta2^t): torch AdamW's eps after bias correction */
+    double scale; /* step * coef: lr * bias correction * alpha / r (phase 2) */
+    double decay; /* 1 - lr * weight_decay (phase 2) */
+} gwt_hyper;
+
+/* Blocks per chunk of the phase-1 block sums and the phase-2 expansion of
+ * small blocks: the chunk's temporaries stay in L1. */
+#define CHUNK 256
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* Phase 1 on one row of nblocks blocks of B entries, the last one `tail`
+ * entries long when tail > 0 (then it is counted in nblocks). */
+#define DEFINE_PHASE1_ROW(T, NAME, B, BARG)                                         \
+    static double phase1_row_##NAME(const T *restrict g, T *restrict m,            \
+                                    T *restrict v, T *restrict d, T *restrict t,   \
+                                    int64_t nblocks, int64_t tail, int64_t BARG,   \
+                                    const gwt_hyper *hp) {                         \
+        const T h = (T)hp->h, w1 = (T)hp->w1, w1c = (T)(1.0 - hp->w1);             \
+        const T b2 = (T)hp->beta2, w2 = (T)(1.0 - hp->beta2), eps2 = (T)hp->eps2;  \
+        /* torch's lerp switches formula at weight 0.5; so does this */            \
+        const int lerp_low = hp->w1 < 0.5;                                         \
+        const int64_t full = tail ? nblocks - 1 : nblocks;                         \
+        T a[CHUNK];                                                                \
+        T acc = 0;                                                                 \
+        for (int64_t k0 = 0; k0 < nblocks; k0 += CHUNK) {                          \
+            const int64_t nk = MIN(CHUNK, nblocks - k0);                           \
+            const int64_t nfull = MIN(nk, full - k0);                              \
+            const T *gc = g + k0 * (B);                                            \
+            for (int64_t k = 0; k < nfull; ++k) {                                  \
+                T s = 0;                                                           \
+                for (int64_t j = 0; j < (B); ++j) s += gc[k * (B) + j];            \
+                a[k] = s * h;                                                      \
+            }                                                                      \
+            if (nfull < nk) { /* the zero-padded last block */                     \
+                T s = 0;                                                           \
+                for (int64_t j = 0; j < tail; ++j) s += gc[nfull * (B) + j];       \
+                a[nfull] = s * h;                                                  \
+            }                                                                      \
+            T *mc = m + k0, *vc = v + k0, *dc = d + k0, *tc = t + k0;              \
+            _Pragma("omp simd reduction(+:acc)")                                   \
+            for (int64_t k = 0; k < nk; ++k) {                                     \
+                const T ak = a[k];                                                 \
+                const T mk = lerp_low ? mc[k] + w1 * (ak - mc[k])                  \
+                                      : ak - (ak - mc[k]) * w1c;                   \
+                const T vk = vc[k] * b2 + w2 * ak * ak;                            \
+                mc[k] = mk;                                                        \
+                vc[k] = vk;                                                        \
+                const T den = sqrt(vk) + eps2;                                     \
+                T inv = (T)1 / (den > 0 ? den : (T)1);                             \
+                inv = den > 0 ? inv : (T)0;                                        \
+                dc[k] = inv;                                                       \
+                tc[k] = h * (mk - ak) * inv;                                       \
+                acc += (mk * inv) * (mk * inv);                                    \
+            }                                                                      \
+        }                                                                          \
+        return (double)acc;                                                        \
+    }
+
+/* Phase 2 for blocks of at least 8 entries: the block is the vector. */
+#define DEFINE_PHASE2_ROW_WIDE(T, NAME, B, BARG)                                    \
+    static void phase2_row_##NAME(T *restrict w, const T *restrict g,              \
+                                  const T *restrict d, const T *restrict t,        \
+                                  int64_t nblocks, int64_t tail, int64_t BARG,     \
+                                  const gwt_hyper *hp) {                           \
+        const T sc = (T)hp->scale, decay = (T)hp->decay;                           \
+        const int64_t full = tail ? nblocks - 1 : nblocks;                         \
+        for (int64_t k = 0; k < full; ++k) {                                       \
+            const T q = sc * d[k], c = sc * t[k];                                  \
+            T *wk = w + k * (B);                                                   \
+            const T *gk = g + k * (B);                                             \
+            for (int64_t j = 0; j < (B); ++j) wk[j] = wk[j] * decay - (gk[j] * q + c); \
+        }                                                                          \
+        if (tail) {                                                                \
+            const T q = sc * d[full], c = sc * t[full];                            \
+            T *wk = w + full * (B);                                                \
+            const T *gk = g + full * (B);                                          \
+            for (int64_t j = 0; j < tail; ++j) wk[j] = wk[j] * decay - (gk[j] * q + c); \
+        }                                                                          \
+    }
+
+/* Phase 2 for blocks of 2 and 4 entries: a vector spans several blocks, so
+ * each chunk's per-block factors are first spread to per-entry ones. */
+#define DEFINE_PHASE2_ROW_NARROW(T, NAME, B)                                        \
+    static void phase2_row_##NAME(T *restrict w, const T *restrict g,              \
+                                  const T *restrict d, const T *restrict t,        \
+                                  int64_t nblocks, int64_t tail, int64_t unused,   \
+                                  const gwt_hyper *hp) {                           \
+        (void)unused;                                                              \
+        const T sc = (T)hp->scale, decay = (T)hp->decay;                           \
+        const int64_t n = tail ? (nblocks - 1) * (B) + tail : nblocks * (B);       \
+        T qe[CHUNK * (B)], ce[CHUNK * (B)];                                        \
+        for (int64_t k0 = 0; k0 < nblocks; k0 += CHUNK) {                          \
+            const int64_t nk = MIN(CHUNK, nblocks - k0);                           \
+            const int64_t ne = MIN(nk * (B), n - k0 * (B));                        \
+            for (int64_t k = 0; k < nk; ++k)                                       \
+                for (int64_t j = 0; j < (B); ++j) {                                \
+                    qe[k * (B) + j] = sc * d[k0 + k];                              \
+                    ce[k * (B) + j] = sc * t[k0 + k];                              \
+                }                                                                  \
+            T *wc = w + k0 * (B);                                                  \
+            const T *gc = g + k0 * (B);                                            \
+            for (int64_t i = 0; i < ne; ++i)                                       \
+                wc[i] = wc[i] * decay - (gc[i] * qe[i] + ce[i]);                   \
+        }                                                                          \
+    }
+
+#define DEFINE_ROWS(T, NAME)                                                        \
+    DEFINE_PHASE1_ROW(T, NAME##_2, 2, unused)                                      \
+    DEFINE_PHASE1_ROW(T, NAME##_4, 4, unused)                                      \
+    DEFINE_PHASE1_ROW(T, NAME##_8, 8, unused)                                      \
+    DEFINE_PHASE1_ROW(T, NAME##_16, 16, unused)                                    \
+    DEFINE_PHASE1_ROW(T, NAME##_any, b, b)                                         \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_2, 2)                                       \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_4, 4)                                       \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_8, 8)                                       \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_16, 16)                                     \
+    DEFINE_PHASE2_ROW_WIDE(T, NAME##_any, b, b)
+
+/* The exported entry points. g and w are contiguous (rows, n); m, v, d and t
+ * contiguous (rows, ceil(n / 2^level)). Rows are split across nthreads
+ * OpenMP threads (the OpenMP runtime torch already loaded). */
+#define DEFINE_ENTRY_POINTS(T, NAME)                                                \
+    DEFINE_ROWS(T, NAME)                                                           \
+    double gwt_adamw_haar_phase1_##NAME(const T *g, T *m, T *v, T *d, T *t,        \
+                                        int64_t rows, int64_t n, int level,        \
+                                        const gwt_hyper *hp, int nthreads) {       \
+        const int64_t b = (int64_t)1 << level, nb = (n + b - 1) / b, tail = n % b; \
+        double (*row)(const T *restrict, T *restrict, T *restrict, T *restrict,    \
+                      T *restrict, int64_t, int64_t, int64_t, const gwt_hyper *) = \
+            b == 2 ? phase1_row_##NAME##_2 : b == 4 ? phase1_row_##NAME##_4        \
+            : b == 8 ? phase1_row_##NAME##_8 : b == 16 ? phase1_row_##NAME##_16    \
+            : phase1_row_##NAME##_any;                                             \
+        double total = 0;                                                          \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(+:total)") \
+        for (int64_t r = 0; r < rows; ++r)                                         \
+            total += row(g + r * n, m + r * nb, v + r * nb, d + r * nb, t + r * nb, \
+                         nb, tail, b, hp);                                         \
+        return total;                                                              \
+    }                                                                              \
+    void gwt_adamw_haar_phase2_##NAME(T *w, const T *g, const T *d, const T *t,    \
+                                      int64_t rows, int64_t n, int level,          \
+                                      const gwt_hyper *hp, int nthreads) {         \
+        const int64_t b = (int64_t)1 << level, nb = (n + b - 1) / b, tail = n % b; \
+        void (*row)(T *restrict, const T *restrict, const T *restrict,             \
+                    const T *restrict, int64_t, int64_t, int64_t,                  \
+                    const gwt_hyper *) =                                           \
+            b == 2 ? phase2_row_##NAME##_2 : b == 4 ? phase2_row_##NAME##_4        \
+            : b == 8 ? phase2_row_##NAME##_8 : b == 16 ? phase2_row_##NAME##_16    \
+            : phase2_row_##NAME##_any;                                             \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")         \
+        for (int64_t r = 0; r < rows; ++r)                                         \
+            row(w + r * n, g + r * n, d + r * nb, t + r * nb, nb, tail, b, hp);    \
+    }
+
+DEFINE_ENTRY_POINTS(float, float32)
+DEFINE_ENTRY_POINTS(double, float64)
