@@ -75,6 +75,9 @@ def _cases(device: str) -> list[Case]:
     ]
     for level in (1, 2, 3):
         cases.append(Case(f"GWT-AdamW l={level}", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv)))
+    # The default above uses the fused kernels (native C on CPU, torch.compile on
+    # CUDA); "(eager)" is the same closed form as plain tensor operations.
+    cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False)))
     for level in (1, 2, 3):
         cases.append(
             Case(f"GWT-AdamW l={level} (reference)", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, impl="reference"))

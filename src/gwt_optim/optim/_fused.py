@@ -177,12 +177,13 @@ _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
 class _NativeCarry:
-    """What native phase 1 leaves for phase 2: the (d, t) workspace and beta/eps terms."""
+    """What native phase 1 leaves for phase 2: the (d, t) workspace, as the
+    buffer holding it and two addresses, and the hyperparameters."""
 
-    __slots__ = ("d", "t", "hyper")
+    __slots__ = ("buffer", "d", "t", "hyper")
 
-    def __init__(self, d: Tensor, t: Tensor, hyper: _Hyper) -> None:
-        self.d, self.t, self.hyper = d, t, hyper
+    def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper) -> None:
+        self.buffer, self.d, self.t, self.hyper = buffer, d, t, hyper
 
 
 class NativeBackend:
@@ -191,7 +192,9 @@ class NativeBackend:
     name = "native"
 
     def __init__(self) -> None:
-        self._lib = native_library()
+        lib = native_library()
+        self._phase1 = {dt: getattr(lib, f"gwt_adamw_haar_phase1_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
+        self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # right after its phase 1: fresh A-sized allocations on every step
         # would page-fault on each use.
@@ -210,14 +213,13 @@ class NativeBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to do: the library was built in ``__init__``."""
 
-    def _buffers(self, numel: int, dtype: torch.dtype, private: bool) -> tuple[Tensor, Tensor]:
+    def _buffer(self, numel: int, dtype: torch.dtype, private: bool) -> Tensor:
         if private:
-            buf = torch.empty(2 * numel, dtype=dtype)
-        else:
-            buf = self._workspace.get(dtype)
-            if buf is None or buf.numel() < 2 * numel:
-                buf = self._workspace[dtype] = torch.empty(2 * numel, dtype=dtype)
-        return buf[:numel], buf[numel : 2 * numel]
+            return torch.empty(numel, dtype=dtype)
+        buf = self._workspace.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._workspace[dtype] = torch.empty(numel, dtype=dtype)
+        return buf
 
     @staticmethod
     def _threads(numel: int, rows: int) -> int:
@@ -227,30 +229,32 @@ class NativeBackend:
         beta1, beta2 = group["betas"]
         M, V = state["exp_avg"], state["exp_avg_sq"]
         n = G.shape[-1]
-        rows = G.numel() // n if n else 0
-        d, t = self._buffers(M.numel(), G.dtype, private)
+        numel = G.numel()
+        rows = numel // n if n else 0
+        buf = self._buffer(2 * M.numel(), G.dtype, private)
+        d = buf.data_ptr()
+        t = d + M.numel() * buf.element_size()
         hyper = _Hyper(
             h=2.0 ** (-level / 2),
             w1=1.0 - beta1,
             beta2=beta2,
             eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
         )
-        fn = getattr(self._lib, f"gwt_adamw_haar_phase1_{_DTYPE_SUFFIX[G.dtype]}")
-        norm_sq = fn(
-            G.data_ptr(), M.data_ptr(), V.data_ptr(), d.data_ptr(), t.data_ptr(),
-            rows, n, level, ctypes.byref(hyper), self._threads(G.numel(), rows),
+        norm_sq = self._phase1[G.dtype](
+            G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
         )
-        return norm_sq, _NativeCarry(d, t, hyper)
+        return norm_sq, _NativeCarry(buf, d, t, hyper)
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
         n = G.shape[-1]
-        rows = G.numel() // n if n else 0
+        numel = G.numel()
+        rows = numel // n if n else 0
         hyper = carry.hyper
         hyper.scale = scale / float(r)
         hyper.decay = decay
-        fn = getattr(self._lib, f"gwt_adamw_haar_phase2_{_DTYPE_SUFFIX[w.dtype]}")
-        fn(w.data_ptr(), G.data_ptr(), carry.d.data_ptr(), carry.t.data_ptr(),
-           rows, n, level, ctypes.byref(hyper), self._threads(G.numel(), rows))
+        self._phase2[w.dtype](
+            w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
+        )
 
 
 # ------------------------------------------------------------- inductor --- #
@@ -290,9 +294,12 @@ class InductorBackend:
     def __init__(self) -> None:
         if not hasattr(torch, "compile"):
             raise KernelUnavailable("this torch has no torch.compile; pass compile=False to use the eager path")
-        # Shapes are static except the dimensions _flat marks dynamic.
-        self._phase1 = torch.compile(_inductor_phase1, fullgraph=True)
-        self._phase2 = torch.compile(_inductor_phase2, fullgraph=True)
+        # dynamic=True: the number of blocks and the Python floats (learning
+        # rate, bias corrections) are symbolic from the first compilation, so
+        # neither a new parameter shape nor the next step recompiles. Only the
+        # block size is static (_flat), for a fixed-size reduction.
+        self._phase1 = torch.compile(_inductor_phase1, fullgraph=True, dynamic=True)
+        self._phase2 = torch.compile(_inductor_phase2, fullgraph=True, dynamic=True)
         self._ones: dict[torch.device, Tensor] = {}
         self._ready: set[tuple] = set()
 
@@ -312,7 +319,7 @@ class InductorBackend:
         if key in self._ready:
             return
         b = 1 << level
-        blocks = 2  # sizes 0 and 1 would be specialized
+        blocks = 7  # not 0 or 1 (specialized), nor a power of two (duck-sized with b)
         W = torch.zeros(blocks * b, dtype=w.dtype, device=w.device)
         M = torch.zeros(blocks, dtype=moment_dtype, device=w.device)
         g = torch.zeros(blocks * b, dtype=G.dtype, device=w.device)
@@ -323,9 +330,15 @@ class InductorBackend:
 
     @staticmethod
     def _flat(x: Tensor, b: int) -> Tensor:
-        # One dynamic dimension (the number of blocks) for every parameter shape.
-        flat = x.detach().view(-1, b) if b > 1 else x.detach().view(-1)
-        torch._dynamo.maybe_mark_dynamic(flat, 0)
+        """``x`` as a (blocks, b) tensor, or (blocks,) for b = 1.
+
+        A fresh tensor on x's storage rather than a view: Dynamo guards on a
+        view's base, whose shape differs from parameter to parameter.
+        """
+        size, stride = ((x.numel() // b, b), (b, 1)) if b > 1 else ((x.numel(),), (1,))
+        flat = x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), size, stride)
+        if b > 1:
+            torch._dynamo.mark_static(flat, 1)
         return flat
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int, private: bool):

@@ -557,9 +557,8 @@ def build_data(
     info: dict[str, Any] = {"source": source, "tokenizer": tokenizer or _default_tokenizer(source),
                             "vocab_size": len(tok), "seq_len": seq_len}
     if source == "c4":
-        val_docs = itertools.islice(c4_documents("validation"), None)
         ids: list[int] = []
-        for doc in val_docs:  # stream just enough validation text for the budget
+        for doc in c4_documents("validation"):  # stream just enough text for the budget
             ids.extend(tok(doc, add_special_tokens=False)["input_ids"])
             ids.append(tok.eos_token_id)
             if len(ids) >= val_tokens + seq_len:

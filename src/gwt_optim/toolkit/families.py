@@ -6,7 +6,7 @@ Each takes ``level``, ``wavelet`` and the shared ``scale`` (alpha) like
 (:func:`gwt_optim.groups.gwt_param_groups`): the weights chosen by the recipe
 get the transform at ``level`` with scale alpha, everything else the plain
 family at level 0. Family options arrive as ``name:key=value``, e.g.
-``gwt-muon:level=3:ns_dtype=float32`` or ``gwt-adafactor:detail_norm=clip``.
+``gwt-muon:level=3:ns_dtype=float32`` or ``gwt-adafactor:detail_norm=second_moment``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _gwt_adam_mini(model: nn.Module, cfg: OptimizerConfig):
 @register(
     "gwt-adafactor",
     help="GWT-Adafactor: factored second moment of Haar approximation coefficients "
-    "(level, wavelet, beta1, detail_norm=second_moment|clip, relative_step, d)",
+    "(level, wavelet, beta1, detail_norm=clip|second_moment, relative_step, d)",
     defaults={"level": 2},
 )
 def _gwt_adafactor(model: nn.Module, cfg: OptimizerConfig):

@@ -86,7 +86,8 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     if tokenizer is not None:
-        overrides.setdefault("vocab_size", len(tokenizer))
+        if not pretrained:  # pretrained weights fix their own vocabulary; resized below
+            overrides.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             overrides.setdefault(name, getattr(tokenizer, name, None))
     config = load_config(spec, **overrides)
@@ -94,7 +95,7 @@ def build_model(
         config.max_position_embeddings = max_seq_len
     if pretrained:
         if not Path(spec).is_dir():
-            raise ValueError(f"pretrained weights need a local model directory, got {spec!r}")
+            raise ValueError(f"--pretrained needs a local model directory with weights, got {spec!r}")
         model = AutoModelForCausalLM.from_pretrained(spec, config=config, local_files_only=True)
         if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))

@@ -29,7 +29,7 @@ __all__ = ["DEMO", "DEMO_OPTIMIZERS", "PAPER_STEPS", "paper_recipe", "paper_opti
 DEMO: dict[str, Any] = {
     "model": "llama_9m",
     "data": "demo",
-    "tokenizer": "bpe",
+    "tokenizer": None,  # auto: the demo BPE here, t5-base for C4 and local text
     "vocab_size": 4096,
     "seq_len": 256,
     "batch_size": 8,

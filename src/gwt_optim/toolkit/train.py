@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -256,6 +256,16 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
     return run
 
 
+def _quiet_import_noise() -> None:
+    """transformers imports torchao (for its quantizers), which logs missing
+    CUDA kernels on CPU machines and trips torch's pytree deprecation warnings:
+    noise for a training run, so only errors from those loggers are shown."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
@@ -279,6 +289,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     )
     from gwt_optim.toolkit.models import build_model, count_parameters
 
+    _quiet_import_noise()
     callbacks = list(callbacks)
     dctx = init_distributed(cfg.device)
     device = dctx.device

@@ -363,9 +363,9 @@ def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSe
         predictions[split] = logits.squeeze(-1) if task.is_regression else logits.argmax(-1)
         references[split] = torch.as_tensor(pred.label_ids)
     scores = score_task(task, predictions, references)
+    # Plain numbers only: with --isolate a spawned worker pickles this back.
     return {
         "task": task.name,
-        # Kept small and picklable: a spawned worker sends this back.
         "method": spec.label,
         "scores": scores,
         "train_loss": float(train_out.training_loss),

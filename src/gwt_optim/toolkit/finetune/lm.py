@@ -36,7 +36,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -322,6 +322,7 @@ def prepare_data(settings: "LMSettings", tokenizer) -> LMData:
         records = load_alpaca(settings.data)
         if settings.val_data:
             train_recs, val_recs = records, load_alpaca(settings.val_data)
+            rng.shuffle(train_recs)
         else:
             train_recs, val_recs = _split_holdout(records, settings.val_fraction, rng)
         enc = [encode_alpaca(r, tokenizer, settings.seq_len) for r in train_recs]
@@ -331,7 +332,10 @@ def prepare_data(settings: "LMSettings", tokenizer) -> LMData:
         val = [collate_examples(val_enc[i : i + bs], pad) for i in range(0, len(val_enc), bs)]
     else:
         train_docs = _read_texts(settings.data, "train", settings.seed)
-        val_docs = _read_texts(settings.val_data or settings.data, "validation", settings.seed)
+        if settings.val_data:  # all of it, whatever split its file name suggests
+            val_docs = [d for split in ("train", "validation") for d in _read_texts(settings.val_data, split, settings.seed)]
+        else:
+            val_docs = _read_texts(settings.data, "validation", settings.seed)
         train_blocks = pack_texts(train_docs, tokenizer, settings.seq_len)
         # The same shuffled order for every method; cycling keeps it fixed.
         g = torch.Generator().manual_seed(settings.seed)
@@ -437,11 +441,13 @@ class LMSettings:
     format: str = "auto"
     val_data: str | None = None
     val_fraction: float = 0.1
+    # Sized for a 2-core CPU (about 100 s per 4 x 128-token SmolLM2 step there);
+    # on a GPU use --seq-len 512 --batch-size 8 --steps 100 (docs/finetuning.md).
     seq_len: int = 128
     batch_size: int = 4
-    steps: int = 25
+    steps: int = 10
     eval_batches: int = 8
-    lrs: tuple[float, ...] = (1e-5, 1e-4, 1e-3)
+    lrs: tuple[float, ...] = (1e-4, 3e-4)
     scale: float = 1.0
     warmup: float = 0.1
     weight_decay: float = 0.0
