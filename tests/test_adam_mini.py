@@ -55,9 +55,11 @@ def test_level0_matches_the_adam_mini_package_on_a_small_llama():
     adam_mini = pytest.importorskip("adam_mini")
     ref_model, model = tiny_llama(), tiny_llama()
     ref = adam_mini.Adam_mini(
-        ref_model.named_parameters(), lr=1e-2, weight_decay=0.1, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, verbose=False
-    )
-    ours = GWTAdamMini(adam_mini_param_groups(model.named_parameters(), dim=DIM, n_heads=HEADS, weight_decay=0.1), lr=1e-2, level=0)
+        ref_model.named_parameters(), lr=1e-2, weight_decay=0.1,
+        dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, verbose=False,
+    )  # fmt: skip
+    groups = adam_mini_param_groups(model.named_parameters(), dim=DIM, n_heads=HEADS, weight_decay=0.1)
+    ours = GWTAdamMini(groups, lr=1e-2, level=0)
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     for _ in range(4):
         for m, opt in ((ref_model, ref), (model, ours)):

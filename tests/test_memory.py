@@ -95,6 +95,21 @@ def test_torchao_quantized_state_counted_through_inner_tensors(monkeypatch, name
     assert optimizer_state_bytes(opt) == estimate(model, name.lower()).state_bytes
 
 
+def test_dtensor_state_counts_the_local_shard(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # a one-process gloo group through a file store: no ports
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+        assert memory.tensor_bytes(d) == 8 * 4 * 4
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------ analytic = measured --- #
 
 
@@ -151,7 +166,11 @@ CASES = [
     ("adam-mini", 2, None, _adam_mini),
     ("muon", 2, None, _muon),
     ("adafactor", 2, None, _adafactor),
-    *[(f"gwt-{f}", lv, None, _registry(f"gwt-{f}", lv)) for f in ("adamw", "muon", "adam-mini", "adafactor") for lv in (1, 2, 3)],
+    *[
+        (f"gwt-{family}", lv, None, _registry(f"gwt-{family}", lv))
+        for family in ("adamw", "muon", "adam-mini", "adafactor")
+        for lv in (1, 2, 3)
+    ],
 ]
 
 

@@ -88,7 +88,9 @@ def test_level_l_matches_the_literal_transform(impl, level, shape):
         G = torch.randn(shape, generator=g)
         b.grad = G.clone()
         ours.step()
-        W, B = _oracle_step(W, G, B, level=level, mu=0.9, nesterov=True, lr=0.05, wd=0.01, scale=0.5, ns_dtype=torch.float32)
+        W, B = _oracle_step(
+            W, G, B, level=level, mu=0.9, nesterov=True, lr=0.05, wd=0.01, scale=0.5, ns_dtype=torch.float32
+        )
         torch.testing.assert_close(b.detach(), W, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.state[b]["momentum_buffer"], B)
 

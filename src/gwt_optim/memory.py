@@ -84,10 +84,12 @@ def tensor_bytes(t: Tensor, _seen: set | None = None) -> int:
     (codes, scales, code maps, the local shard) are counted instead.
     """
     seen = set() if _seen is None else _seen
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is not None:
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        return tensor_bytes(t.to_local(), seen)  # this rank's shard
+    if hasattr(type(t), "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name), seen) for name in names)
+        inner = (getattr(t, name) for name in names)
+        return sum(tensor_bytes(x, seen) for x in inner if isinstance(x, Tensor))
     key = _storage_key(t)
     if key in seen:
         return 0
@@ -602,7 +604,9 @@ def memory_table(
         base[m] = estimate(m, "adamw", dtype=dtype, recipe=recipe)
         for name in optimizers:
             e = estimate(m, name, level=level, rank=r, dtype=dtype, recipe=recipe)
-            cell = f"{e.total_bytes / _GB:.2f}" if name == "adamw" else f"{e.total_bytes / _GB:.2f} ({-100 * e.saving(base[m]):+.0f}%)"
+            cell = f"{e.total_bytes / _GB:.2f}"
+            if name != "adamw":
+                cell += f" ({-100 * e.saving(base[m]):+.0f}%)"
             rows.setdefault(_label(e), []).append(cell)
     head = "| optimizer | " + " | ".join(m.upper() for m in models) + " |"
     rule = "|---|" + "---:|" * len(models)
@@ -664,8 +668,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "APOLLO(-Mini), Adam-mini, Muon, Adafactor and the GWT families, with the saving against AdamW."
         ),
     )
-    p.add_argument("--models", default=",".join(TABLE_MODELS), help="packaged config names or JSON paths, comma-separated")
-    p.add_argument("--optimizers", default=",".join(TABLE_OPTIMIZERS), help=f"comma-separated; known: {', '.join(ESTIMATORS)}")
+    p.add_argument(
+        "--models", default=",".join(TABLE_MODELS), help="packaged config names or JSON paths, comma-separated"
+    )
+    p.add_argument(
+        "--optimizers", default=",".join(TABLE_OPTIMIZERS), help=f"comma-separated; known: {', '.join(ESTIMATORS)}"
+    )
     p.add_argument("--level", type=int, default=2, help="GWT level l (default 2)")
     p.add_argument("--rank", type=int, default=None, help="GaLore/APOLLO rank (default: the papers' rank per size)")
     p.add_argument("--dtype", default="bf16", help="weight and state dtype (default bf16, the papers' convention)")

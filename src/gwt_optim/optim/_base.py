@@ -228,13 +228,12 @@ class GWTOptimizer(Optimizer):
         """A fused kernel backend for the transformed Haar step of this
         parameter (level >= 1, fast path), or ``None`` for the generic path.
 
-        A backend provides ``phase1(group, state, G, level, step, private) ->
+        A backend provides ``phase1(group, state, G, level, step) ->
         (norm_sq, carry)``, which updates the family state and returns the
         limiter's squared norm, and ``phase2(w, G, level, carry, r, scale,
-        decay)``, which applies ``w <- w * decay - scale / r * delta``.
-        ``private`` says the carry must not share memory with the next
-        parameter's (phase 2 is deferred). Fused steps skip
-        :meth:`_postprocess`. The default has none.
+        decay)``, which applies ``w <- w * decay - scale / r * delta``; phase 2
+        may run right after its phase 1 or after other parameters' phase 1.
+        Fused steps skip :meth:`_postprocess`. The default has none.
         """
         return None
 
@@ -344,7 +343,7 @@ class GWTOptimizer(Optimizer):
         # Families see (and update in place) the local shards of their state.
         lstate = {k: _local(v) for k, v in state.items()} if _is_dtensor(p) else state
         if fused is not None:
-            norm_sq, carry = fused.phase1(group, lstate, G, level, step, _is_dtensor(p))
+            norm_sq, carry = fused.phase1(group, lstate, G, level, step)
             ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, carry=carry, step=step)
             if self._limiter_enabled(group, transformed):
                 ps.limited = True

@@ -55,6 +55,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,7 +181,7 @@ class _NativeCarry:
     """What native phase 1 leaves for phase 2: the (d, t) workspace, as the
     buffer holding it and two addresses, and the hyperparameters."""
 
-    __slots__ = ("buffer", "d", "t", "hyper")
+    __slots__ = ("buffer", "d", "t", "hyper", "__weakref__")
 
     def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper) -> None:
         self.buffer, self.d, self.t, self.hyper = buffer, d, t, hyper
@@ -196,9 +197,11 @@ class NativeBackend:
         self._phase1 = {dt: getattr(lib, f"gwt_adamw_haar_phase1_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
-        # right after its phase 1: fresh A-sized allocations on every step
-        # would page-fault on each use.
+        # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
+        # on every step would page-fault on each use. _owner is the carry
+        # using it; while that carry waits for its phase 2, others get their own.
         self._workspace: dict[torch.dtype, Tensor] = {}
+        self._owner: dict[torch.dtype, weakref.ref] = {}
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
         return (
@@ -213,25 +216,27 @@ class NativeBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to do: the library was built in ``__init__``."""
 
-    def _buffer(self, numel: int, dtype: torch.dtype, private: bool) -> Tensor:
-        if private:
-            return torch.empty(numel, dtype=dtype)
+    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, bool]:
+        """A workspace of numel entries, and whether it is the shared one."""
+        owner = self._owner.get(dtype)
+        if owner is not None and owner() is not None:
+            return torch.empty(numel, dtype=dtype), False
         buf = self._workspace.get(dtype)
         if buf is None or buf.numel() < numel:
             buf = self._workspace[dtype] = torch.empty(numel, dtype=dtype)
-        return buf
+        return buf, True
 
     @staticmethod
     def _threads(numel: int, rows: int) -> int:
         return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
 
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int, private: bool):
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
         M, V = state["exp_avg"], state["exp_avg_sq"]
         n = G.shape[-1]
         numel = G.numel()
         rows = numel // n if n else 0
-        buf = self._buffer(2 * M.numel(), G.dtype, private)
+        buf, shared = self._buffer(2 * M.numel(), G.dtype)
         d = buf.data_ptr()
         t = d + M.numel() * buf.element_size()
         hyper = _Hyper(
@@ -243,7 +248,10 @@ class NativeBackend:
         norm_sq = self._phase1[G.dtype](
             G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
         )
-        return norm_sq, _NativeCarry(buf, d, t, hyper)
+        carry = _NativeCarry(buf, d, t, hyper)
+        if shared:
+            self._owner[G.dtype] = weakref.ref(carry)
+        return norm_sq, carry
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
         n = G.shape[-1]
@@ -255,6 +263,9 @@ class NativeBackend:
         self._phase2[w.dtype](
             w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
         )
+        owner = self._owner.get(w.dtype)
+        if owner is not None and owner() is carry:
+            del self._owner[w.dtype]
 
 
 # ------------------------------------------------------------- inductor --- #
@@ -286,20 +297,31 @@ def _inductor_phase2(
     W.copy_((W.to(cdt) * decay - (scale * inv_r.to(cdt)) * delta).to(W.dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_phases() -> tuple[Callable, Callable]:
+    """The two phases under ``torch.compile``, shared by all optimizers.
+
+    ``dynamic=True``: the number of blocks and the Python floats (learning
+    rate, bias corrections) are symbolic from the first compilation, so neither
+    a new parameter shape nor the next step recompiles. Only the block size is
+    static (see ``InductorBackend._flat``), for a fixed-size reduction; so there
+    is one graph per block size, dtype combination and device.
+    """
+    if not hasattr(torch, "compile"):
+        raise KernelUnavailable("this torch has no torch.compile; pass compile=False to use the eager path")
+    return (
+        torch.compile(_inductor_phase1, fullgraph=True, dynamic=True),
+        torch.compile(_inductor_phase2, fullgraph=True, dynamic=True),
+    )
+
+
 class InductorBackend:
     """The two phases compiled by ``torch.compile`` (Triton on CUDA, C++ on CPU)."""
 
     name = "inductor"
 
     def __init__(self) -> None:
-        if not hasattr(torch, "compile"):
-            raise KernelUnavailable("this torch has no torch.compile; pass compile=False to use the eager path")
-        # dynamic=True: the number of blocks and the Python floats (learning
-        # rate, bias corrections) are symbolic from the first compilation, so
-        # neither a new parameter shape nor the next step recompiles. Only the
-        # block size is static (_flat), for a fixed-size reduction.
-        self._phase1 = torch.compile(_inductor_phase1, fullgraph=True, dynamic=True)
-        self._phase2 = torch.compile(_inductor_phase2, fullgraph=True, dynamic=True)
+        self._phase1, self._phase2 = _compiled_phases()
         self._ones: dict[torch.device, Tensor] = {}
         self._ready: set[tuple] = set()
 
@@ -324,7 +346,7 @@ class InductorBackend:
         M = torch.zeros(blocks, dtype=moment_dtype, device=w.device)
         g = torch.zeros(blocks * b, dtype=G.dtype, device=w.device)
         state = {"exp_avg": M, "exp_avg_sq": M.clone()}
-        _, carry = self.phase1({"betas": (0.9, 0.999), "eps": 1e-8}, state, g, level, 1, True)
+        _, carry = self.phase1({"betas": (0.9, 0.999), "eps": 1e-8}, state, g, level, 1)
         self.phase2(W, g, level, carry, 1.0, 1.0, 1.0)
         self._ready.add(key)
 
@@ -341,7 +363,7 @@ class InductorBackend:
             torch._dynamo.mark_static(flat, 1)
         return flat
 
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int, private: bool):
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
         b = 1 << level
         eps2 = group["eps"] * math.sqrt(1.0 - beta2**step)

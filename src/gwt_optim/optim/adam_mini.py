@@ -193,7 +193,8 @@ class GWTAdamMini(GWTOptimizer):
             raise ValueError(f"Invalid block: {g['block']!r} (one of {sorted(BLOCKS)})")
         if g["block"] == "head" and not (isinstance(g["head_dim"], int) and g["head_dim"] > 0):
             raise ValueError(
-                f"block='head' needs head_dim, the rows per attention head (hidden size // n_heads); got {g['head_dim']!r}"
+                "block='head' needs head_dim, the rows per attention head (hidden size // n_heads); "
+                f"got {g['head_dim']!r}"
             )
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:

@@ -53,7 +53,8 @@ def _gwt_muon(model: nn.Module, cfg: OptimizerConfig):
         muon["params"] = [p for p in muon["params"] if p.ndim == 2]
         plain = next((g for g in groups if not g["use_muon"]), None)
         if plain is None:
-            plain = {"params": [], "use_muon": False, "lr": adamw_lr, "level": 0, "scale": 1.0, "norm_growth_limit": None}
+            plain = {"params": [], "use_muon": False, "lr": adamw_lr}
+            plain.update(level=0, scale=1.0, norm_growth_limit=None)
             groups.append(plain)
         plain["params"] = [*plain["params"], *others]
         groups = [g for g in groups if g["params"]]

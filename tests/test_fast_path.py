@@ -1,0 +1,208 @@
+"""The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the reference
+path: the native C kernels on CPU in float64 (to 1e-12) and float32 (their
+SIMD code), the torch.compile (Inductor) kernels, the deferred phase 2 that
+FSDP2 uses, and the ``compile`` option's fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gwt_optim import GWTAdamW
+from gwt_optim.optim import _fused
+
+
+def _native_or_skip():
+    try:
+        _fused.native_library()
+    except _fused.KernelUnavailable as exc:
+        pytest.skip(f"no C compiler for the native kernels: {exc}")
+
+
+def _run(W0, grads, *, lrs=None, **kw):
+    """Train one parameter from W0 on the given gradients; return it and the optimizer."""
+    W = torch.nn.Parameter(W0.clone())
+    opt = GWTAdamW([W], **kw)
+    for t, g in enumerate(grads):
+        if lrs is not None:
+            opt.param_groups[0]["lr"] = lrs[t]
+        W.grad = g.clone()
+        opt.step()
+    return W.detach(), opt
+
+
+def _problem(shape, steps, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    W0 = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    grads = [(torch.randn(shape, generator=gen, dtype=torch.float64) * (1 + t)).to(dtype) for t in range(steps)]
+    return W0, grads
+
+
+@pytest.fixture
+def count_fused(monkeypatch):
+    """Counts the fused phase-2 calls per backend, to prove the fused path ran."""
+    calls: dict[str, int] = {}
+    for cls in (_fused.NativeBackend, _fused.InductorBackend):
+        original = cls.phase2
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls[self.name] = calls.get(self.name, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "phase2", counted)
+    return calls
+
+
+# --------------------------------------------------------------- native --- #
+
+
+@pytest.mark.parametrize(
+    "shape, level",
+    [((3, 17), 1), ((2, 3, 9), 2), ((4, 1), 4), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
+)
+@pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
+def test_native_float64_matches_reference(shape, level, gamma, wd, count_fused):
+    _native_or_skip()
+    W0, grads = _problem(shape, 4, torch.float64, seed=level)
+    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma)
+    native, opt = _run(W0, grads, compile=True, **kw)
+    reference, ref_opt = _run(W0, grads, impl="reference", **kw)
+    assert count_fused == {"native": 4}
+    torch.testing.assert_close(native, reference, rtol=1e-12, atol=1e-13)
+    (st,), (ref_st,) = opt.state.values(), ref_opt.state.values()
+    for key in ("exp_avg", "exp_avg_sq", "limiter_norm"):
+        if key in ref_st:
+            want = ref_st[key]
+            torch.testing.assert_close(st[key], want, rtol=1e-12, atol=1e-12 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two branches of torch's lerp
+def test_native_float32_simd_matches_float64_reference(level, beta1, count_fused):
+    # Rows of 8 * 37 + 3 blocks: the 8-block SIMD loop, its remainder and a
+    # zero-padded tail block. eps = 1 keeps den >= 0.03: a den near 0 would
+    # amplify float32 rounding in the details of its block, in every path.
+    _native_or_skip()
+    n = (8 * 37 + 3) * 2**level - 1
+    W0, grads = _problem((5, n), 5, torch.float64, seed=level)
+    kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level)
+    got, _ = _run(W0.float(), [g.float() for g in grads], compile=True, **kw)
+    want, _ = _run(W0.float().double(), [g.float().double() for g in grads], impl="reference", **kw)
+    assert count_fused == {"native": 5}
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+
+
+def test_native_uses_all_threads_consistently():
+    _native_or_skip()
+    W0, grads = _problem((256, 512), 3, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _run(W0, grads, compile=True, level=2)
+        torch.set_num_threads(max(2, threads))
+        many, _ = _run(W0, grads, compile=True, level=2)
+    finally:
+        torch.set_num_threads(threads)
+    # Rows are independent; only the order of the limiter's norm sum differs.
+    torch.testing.assert_close(one, many, rtol=1e-6, atol=1e-7)
+
+
+def test_deferred_phase2_matches_interleaved(monkeypatch):
+    # FSDP2 parameters run phase 2 only after the all-reduce of every
+    # parameter's limiter norm, each with a private workspace; the result must
+    # not depend on the order.
+    _native_or_skip()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+    x = torch.randn(16, 24)
+
+    def train(defer):
+        m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+        m.load_state_dict(model.state_dict())
+        opt = GWTAdamW(m.parameters(), lr=1e-2, level=2, compile=True)
+        if defer:
+            monkeypatch.setattr(opt, "_needs_collective", lambda ps: True)
+        for _ in range(4):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        return [p.detach() for p in m.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):
+    _native_or_skip()
+    W0, grads = _problem((4, 32), 3, torch.float32)
+    W = torch.nn.Parameter(W0.t().contiguous().t())  # non-contiguous
+    opt = GWTAdamW([W], lr=1e-2, level=2, compile=True)
+    for g in grads:
+        W.grad = g.clone()
+        opt.step()
+    bf16, _ = _run(W0.bfloat16(), [g.bfloat16() for g in grads], lr=1e-2, level=2, compile=True)
+    assert count_fused == {}
+    want, _ = _run(W0, grads, lr=1e-2, level=2, compile=False)
+    torch.testing.assert_close(W.detach(), want, rtol=1e-5, atol=1e-6)
+    assert bf16.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------- inductor --- #
+
+
+def test_inductor_matches_eager_and_never_recompiles(count_fused):
+    """One compilation per phase serves every shape, and neither a changing lr
+    (a scheduler), weight decay nor the bias corrections recompile."""
+    torch.manual_seed(0)
+    shapes = [(8, 32), (5, 3, 16), (12, 64)]
+    W0 = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+
+    def train(compile):
+        params = [torch.nn.Parameter(w.clone()) for w in W0]
+        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile=compile)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        for t, gs in enumerate(grads):
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            # The first step compiles; any later compilation is an error.
+            with torch._dynamo.config.patch(error_on_recompile=t > 0):
+                opt.step()
+            sched.step()
+        return [p.detach() for p in params]
+
+    torch._dynamo.reset()
+    compiled = train("inductor")
+    eager = train(False)
+    assert count_fused == {"inductor": 4 * len(shapes) + 1}  # + the warm-up compilation
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------- options --- #
+
+
+def test_bad_compile_option_is_rejected():
+    with pytest.raises(ValueError, match="compile must be None"):
+        GWTAdamW([torch.nn.Parameter(torch.randn(2, 4))], compile="triton")
+
+
+def test_compile_false_never_builds_kernels(monkeypatch, count_fused):
+    monkeypatch.setattr(_fused, "native_library", lambda: pytest.fail("built a kernel"))
+    _run(torch.randn(4, 16), [torch.randn(4, 16)], level=2, compile=False)
+    assert count_fused == {}
+
+
+def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monkeypatch):
+    def no_compiler():
+        raise _fused.KernelUnavailable("no C compiler (test)")
+
+    monkeypatch.setattr(_fused, "native_library", no_compiler)
+    W0, grads = _problem((4, 16), 3, torch.float32)
+    with pytest.warns(RuntimeWarning, match="no C compiler") as record:
+        auto, _ = _run(W0, grads, lr=1e-2)
+    assert len(record) == 1  # once per optimizer, not per step or parameter
+    eager, _ = _run(W0, grads, lr=1e-2, compile=False)
+    assert torch.equal(auto, eager)
+    with pytest.raises(_fused.KernelUnavailable, match="no C compiler"):
+        _run(W0, grads, compile=True)
