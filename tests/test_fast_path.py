@@ -40,16 +40,20 @@ def _problem(shape, steps, dtype, seed=0):
 
 @pytest.fixture
 def count_fused(monkeypatch):
-    """Counts the fused phase-2 calls per backend, to prove the fused path ran."""
+    """Counts the parameter steps each fused backend ran (its phase 2 calls
+    and the items of its batched calls), to prove the fused path ran."""
     calls: dict[str, int] = {}
+
+    def counting(method, count):
+        def counted(self, *args, **kwargs):
+            calls[self.name] = calls.get(self.name, 0) + count(args)
+            return method(self, *args, **kwargs)
+
+        return counted
+
     for cls in (_fused.NativeBackend, _fused.InductorBackend):
-        original = cls.phase2
-
-        def counted(self, *args, _original=original, **kwargs):
-            calls[self.name] = calls.get(self.name, 0) + 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "phase2", counted)
+        monkeypatch.setattr(cls, "phase2", counting(cls.phase2, lambda args: 1))
+    monkeypatch.setattr(_fused.NativeBackend, "step_many", counting(_fused.NativeBackend.step_many, lambda args: len(args[0])))
     return calls
 
 
@@ -107,29 +111,62 @@ def test_native_uses_all_threads_consistently():
     torch.testing.assert_close(one, many, rtol=1e-6, atol=1e-7)
 
 
-def test_deferred_phase2_matches_interleaved(monkeypatch):
-    # FSDP2 parameters run phase 2 only after the all-reduce of every
-    # parameter's limiter norm, each with a private workspace; the result must
-    # not depend on the order.
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_steps_match_reference(threads, count_fused):
+    # Parameters that need no collective run as one batch: with enough of
+    # them, each on its own thread.
+    _native_or_skip()
+    shapes = [(6, 40), (3, 2, 24), (9, 33), (5, 64), (4, 16), (7, 20)]
+    gen = torch.Generator().manual_seed(0)
+    W0 = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(3)]
+
+    def train(**kw):
+        params = [torch.nn.Parameter(w.clone()) for w in W0]
+        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, **kw)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in params]
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = train(compile=True)
+    finally:
+        torch.set_num_threads(saved)
+    want = train(impl="reference")
+    assert count_fused == {"native": 3 * len(shapes)}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch):
+    # FSDP2 parameters run phase 1, then wait for the all-reduce of every
+    # parameter's limiter norm, then phase 2 (each with its own workspace).
     _native_or_skip()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
     x = torch.randn(16, 24)
 
-    def train(defer):
+    def train(batched, defer):
         m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
         m.load_state_dict(model.state_dict())
         opt = GWTAdamW(m.parameters(), lr=1e-2, level=2, compile=True)
-        if defer:
-            monkeypatch.setattr(opt, "_needs_collective", lambda ps: True)
-        for _ in range(4):
-            opt.zero_grad()
-            m(x).square().mean().backward()
-            opt.step()
+        with monkeypatch.context() as mp:
+            mp.setattr(_fused.NativeBackend, "batched", batched)
+            if defer:
+                mp.setattr(opt, "_needs_collective", lambda ps: True)
+            for _ in range(4):
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
         return [p.detach() for p in m.parameters()]
 
-    for a, b in zip(train(False), train(True)):
-        assert torch.equal(a, b)
+    batch = train(batched=True, defer=False)
+    for a, b, c in zip(batch, train(batched=False, defer=False), train(batched=False, defer=True)):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):

@@ -105,6 +105,7 @@ class ParamStep:
     fused: Any = None  # the fused kernel backend running this parameter, if any
     carry: Any = None  # what the fused phase 1 leaves for its phase 2
     step: int = 0  # the state's step count after this step's increment
+    batched: bool = False  # the fused backend runs this whole step later, with others
 
 
 class GWTOptimizer(Optimizer):
@@ -233,6 +234,10 @@ class GWTOptimizer(Optimizer):
         limiter's squared norm, and ``phase2(w, G, level, carry, r, scale,
         decay)``, which applies ``w <- w * decay - scale / r * delta``; phase 2
         may run right after its phase 1 or after other parameters' phase 1.
+        A backend with ``batched = True`` also provides ``step_many(items,
+        limiter_eps)``, the whole step of many parameters at once (with the
+        limiter), for every parameter that needs no collective; ``items`` are
+        ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
         Fused steps skip :meth:`_postprocess`. The default has none.
         """
         return None
@@ -268,6 +273,7 @@ class GWTOptimizer(Optimizer):
                 loss = closure()
 
         deferred: list[ParamStep] = []
+        batched: list[ParamStep] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -275,15 +281,31 @@ class GWTOptimizer(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 ps = self._phase1(p, group)
-                if self._needs_collective(ps):
+                if ps.batched:
+                    batched.append(ps)
+                elif self._needs_collective(ps):
                     deferred.append(ps)
                 else:
                     self._phase2(ps)
 
+        self._run_batched(batched)
         self._reduce_limiter_norms(deferred)
         for ps in deferred:
             self._phase2(ps)
         return loss
+
+    def _run_batched(self, steps: list[ParamStep]) -> None:
+        """Hand the whole steps a fused backend batches to it, with the
+        family's step factor and the decoupled weight decay."""
+        by_backend: dict[int, tuple[Any, list]] = {}
+        for ps in steps:
+            lr = ps.group["lr"]
+            lr = lr.item() if isinstance(lr, Tensor) else lr
+            scale = ps.group["scale"] * lr * self._step_factor(ps.group, ps.state, ps.step)
+            entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
+            entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
+        for backend, items in by_backend.values():
+            backend.step_many(items, _LIMITER_EPS)
 
     @staticmethod
     def _needs_collective(ps: ParamStep) -> bool:
@@ -343,10 +365,13 @@ class GWTOptimizer(Optimizer):
         # Families see (and update in place) the local shards of their state.
         lstate = {k: _local(v) for k, v in state.items()} if _is_dtensor(p) else state
         if fused is not None:
-            norm_sq, carry = fused.phase1(group, lstate, G, level, step)
-            ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, carry=carry, step=step)
-            if self._limiter_enabled(group, transformed):
-                ps.limited = True
+            ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, step=step)
+            ps.limited = self._limiter_enabled(group, transformed)
+            if getattr(fused, "batched", False) and not _is_dtensor(p):
+                ps.batched = True  # phase 1, limiter and phase 2 run in _run_batched
+                return ps
+            norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
+            if ps.limited:
                 ps.norm_sq = norm_sq
             return ps
         U, den = self._approx_update(group, lstate, A, step, transformed)

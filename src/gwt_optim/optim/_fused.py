@@ -83,7 +83,7 @@ _FLAG_SETS = (
 )
 # Vectorizing the selects around divisions needs -fno-trapping-math; the
 # kernels never read floating-point exception flags or errno.
-_COMMON_FLAGS = ["-std=gnu11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
+_COMMON_FLAGS = ["-std=gnu11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-Wno-unknown-pragmas"]
 _DTYPE_SUFFIX = {torch.float32: "float32", torch.float64: "float64"}
 
 
@@ -91,6 +91,25 @@ class _Hyper(ctypes.Structure):
     """Mirror of ``gwt_hyper`` in ``_fused_cpu.c``."""
 
     _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay")]
+
+
+class _Task(ctypes.Structure):
+    """Mirror of ``gwt_task`` in ``_fused_cpu.c``: one parameter's whole step."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("level", ctypes.c_int32),
+        ("first", ctypes.c_int32),
+        ("gamma", ctypes.c_double),
+        ("limiter_eps", ctypes.c_double),
+        ("s", ctypes.c_double),
+        ("hyper", _Hyper),
+    ]
 
 
 def cache_dir() -> Path:
@@ -169,6 +188,9 @@ def native_library() -> ctypes.CDLL:
         p2 = getattr(lib, f"gwt_adamw_haar_phase2_{name}")
         p2.restype = None
         p2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
+        steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
+        steps.restype = None
+        steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     return lib
 
 
@@ -188,14 +210,22 @@ class _NativeCarry:
 
 
 class NativeBackend:
-    """The C kernels of ``_fused_cpu.c`` (CPU, float32/float64)."""
+    """The C kernels of ``_fused_cpu.c`` (CPU, float32/float64).
+
+    Besides the two phases (for parameters whose phase 2 waits for a
+    collective), it runs whole steps of many parameters in one call
+    (:meth:`step_many`, ``batched = True``).
+    """
 
     name = "native"
+    batched = True
 
     def __init__(self) -> None:
         lib = native_library()
         self._phase1 = {dt: getattr(lib, f"gwt_adamw_haar_phase1_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
+        self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
+        self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
         # on every step would page-fault on each use. _owner is the carry
@@ -229,6 +259,55 @@ class NativeBackend:
     @staticmethod
     def _threads(numel: int, rows: int) -> int:
         return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
+
+    def step_many(self, steps: list, limiter_eps: float) -> None:
+        """Whole steps (phase 1, limiter, phase 2) of many parameters.
+
+        ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._base.ParamStep`
+        of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
+        ``decay`` = 1 - lr * weight_decay.
+        """
+        by_dtype: dict[torch.dtype, list] = {}
+        for item in steps:
+            by_dtype.setdefault(item[0].param.dtype, []).append(item)
+        threads = torch.get_num_threads()
+        for dtype, items in by_dtype.items():
+            # Largest first, so that the dynamic schedule ends evenly.
+            items.sort(key=lambda item: -item[0].grad.numel())
+            tasks = (_Task * len(items))()
+            ws_numel = 0
+            for task, (ps, scale, decay) in zip(tasks, items):
+                group, state, G = ps.group, ps.state, ps.grad
+                beta1, beta2 = group["betas"]
+                M, V = state["exp_avg"], state["exp_avg_sq"]
+                n = G.shape[-1]
+                task.w, task.g, task.m, task.v = ps.param.data_ptr(), G.data_ptr(), M.data_ptr(), V.data_ptr()
+                task.rows, task.n = (G.numel() // n if n else 0), n
+                task.level, task.first = ps.level, ps.step == 1
+                task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
+                task.limiter_eps = limiter_eps
+                task.s = state["limiter_norm"].item() if ps.limited else 0.0
+                task.hyper = _Hyper(
+                    h=2.0 ** (-ps.level / 2),
+                    w1=1.0 - beta1,
+                    beta2=beta2,
+                    eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
+                    scale=scale,
+                    decay=decay,
+                )
+                ws_numel = max(ws_numel, 2 * M.numel())
+            # One parameter per thread when there are enough to share out;
+            # otherwise one after the other, each split by rows.
+            across = threads > 1 and len(items) >= 2 * threads
+            stride = ws_numel
+            needed = stride * (threads if across else 1)
+            buf = self._batch_workspace.get(dtype)
+            if buf is None or buf.numel() < needed:
+                buf = self._batch_workspace[dtype] = torch.empty(needed, dtype=dtype)
+            self._steps[dtype](tasks, len(items), buf.data_ptr(), stride, threads, int(across), _MIN_ENTRIES_PER_THREAD)
+            for task, (ps, _, _) in zip(tasks, items):
+                if ps.limited:
+                    ps.state["limiter_norm"].fill_(task.s)
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
