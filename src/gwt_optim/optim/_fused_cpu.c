@@ -79,12 +79,14 @@ static double limiter_ratio(gwt_task *task, double norm_sq) {
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
-/* Hand-vectorized phase 1 for float blocks of 2, 4 and 8 on AVX2: the block
- * sums are horizontal adds, which compilers do not find on their own, and the
- * moment update runs in the same loop. Each returns how many leading full
- * blocks it did (a multiple of 8) and adds their squared norm to *acc; the
- * portable loop does the rest. NO_SIMD does nothing. */
+/* Hand-vectorized float kernels for small blocks on AVX2. Phase 1 (blocks of
+ * 2, 4 and 8): the block sums are horizontal adds, which compilers do not find
+ * on their own, and the moment update runs in the same loop. Each returns how
+ * many leading full blocks it did (a multiple of 8) and adds their squared
+ * norm to *acc; the portable loop does the rest. NO_SIMD (NO_SIMD2 for phase
+ * 2) does nothing. */
 #define NO_SIMD(g, m, v, d, t, full, hp, acc) 0
+#define NO_SIMD2(w, g, d, t, full, sc, decay) 0
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -156,13 +158,62 @@ static inline __m256 block_sums_8(const float *g) {
 DEFINE_PHASE1_AVX2(2)
 DEFINE_PHASE1_AVX2(4)
 DEFINE_PHASE1_AVX2(8)
+
+/* Phase 2 for float blocks of 2 and 4 on AVX2: the per-block factors of 8
+ * blocks are spread over the entries by lane permutations, with no
+ * temporaries. Returns how many leading full blocks it did. */
+static inline void phase2_avx2_vec(float *w, const float *g, __m256 q8, __m256 c8,
+                                   __m256i lanes, __m256 decay) {
+    const __m256 q = _mm256_permutevar8x32_ps(q8, lanes);
+    const __m256 c = _mm256_permutevar8x32_ps(c8, lanes);
+    const __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g), q, c);
+    _mm256_storeu_ps(w, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(w), decay), x));
+}
+
+static int64_t phase2_avx2_2(float *restrict w, const float *restrict g, const float *restrict d,
+                             const float *restrict t, int64_t full, float sc, float decay) {
+    const __m256 scv = _mm256_set1_ps(sc), dec = _mm256_set1_ps(decay);
+    const __m256i l0 = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256i l1 = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    int64_t k = 0;
+    for (; k + 8 <= full; k += 8) {
+        const __m256 q8 = _mm256_mul_ps(scv, _mm256_loadu_ps(d + k));
+        const __m256 c8 = _mm256_mul_ps(scv, _mm256_loadu_ps(t + k));
+        phase2_avx2_vec(w + 2 * k, g + 2 * k, q8, c8, l0, dec);
+        phase2_avx2_vec(w + 2 * k + 8, g + 2 * k + 8, q8, c8, l1, dec);
+    }
+    return k;
+}
+
+static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const float *restrict d,
+                             const float *restrict t, int64_t full, float sc, float decay) {
+    const __m256 scv = _mm256_set1_ps(sc), dec = _mm256_set1_ps(decay);
+    const __m256i l0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i l1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i l2 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5);
+    const __m256i l3 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
+    int64_t k = 0;
+    for (; k + 8 <= full; k += 8) {
+        const __m256 q8 = _mm256_mul_ps(scv, _mm256_loadu_ps(d + k));
+        const __m256 c8 = _mm256_mul_ps(scv, _mm256_loadu_ps(t + k));
+        phase2_avx2_vec(w + 4 * k, g + 4 * k, q8, c8, l0, dec);
+        phase2_avx2_vec(w + 4 * k + 8, g + 4 * k + 8, q8, c8, l1, dec);
+        phase2_avx2_vec(w + 4 * k + 16, g + 4 * k + 16, q8, c8, l2, dec);
+        phase2_avx2_vec(w + 4 * k + 24, g + 4 * k + 24, q8, c8, l3, dec);
+    }
+    return k;
+}
 #define SIMD_FLOAT_2 phase1_avx2_2
 #define SIMD_FLOAT_4 phase1_avx2_4
 #define SIMD_FLOAT_8 phase1_avx2_8
+#define SIMD2_FLOAT_2 phase2_avx2_2
+#define SIMD2_FLOAT_4 phase2_avx2_4
 #else
 #define SIMD_FLOAT_2 NO_SIMD
 #define SIMD_FLOAT_4 NO_SIMD
 #define SIMD_FLOAT_8 NO_SIMD
+#define SIMD2_FLOAT_2 NO_SIMD2
+#define SIMD2_FLOAT_4 NO_SIMD2
 #endif
 
 /* Phase 1 on one row of nblocks blocks of B entries, the last one `tail`
@@ -239,7 +290,7 @@ DEFINE_PHASE1_AVX2(8)
 
 /* Phase 2 for blocks of 2 and 4 entries: a vector spans several blocks, so
  * each chunk's per-block factors are first spread to per-entry ones. */
-#define DEFINE_PHASE2_ROW_NARROW(T, NAME, B)                                        \
+#define DEFINE_PHASE2_ROW_NARROW(T, NAME, B, SIMD)                                  \
     static void phase2_row_##NAME(T *restrict w, const T *restrict g,              \
                                   const T *restrict d, const T *restrict t,        \
                                   int64_t nblocks, int64_t tail, int64_t unused,   \
@@ -247,8 +298,9 @@ DEFINE_PHASE1_AVX2(8)
         (void)unused;                                                              \
         const T sc = (T)hp->scale, decay = (T)hp->decay;                           \
         const int64_t n = tail ? (nblocks - 1) * (B) + tail : nblocks * (B);       \
+        const int64_t start = SIMD(w, g, d, t, tail ? nblocks - 1 : nblocks, sc, decay); \
         T qe[CHUNK * (B)], ce[CHUNK * (B)];                                        \
-        for (int64_t k0 = 0; k0 < nblocks; k0 += CHUNK) {                          \
+        for (int64_t k0 = start; k0 < nblocks; k0 += CHUNK) {                      \
             const int64_t nk = MIN(CHUNK, nblocks - k0);                           \
             const int64_t ne = MIN(nk * (B), n - k0 * (B));                        \
             for (int64_t k = 0; k < nk; ++k)                                       \
@@ -263,23 +315,23 @@ DEFINE_PHASE1_AVX2(8)
         }                                                                          \
     }
 
-#define DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8)                                   \
+#define DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)                 \
     DEFINE_PHASE1_ROW(T, NAME##_2, 2, unused, SIMD2)                               \
     DEFINE_PHASE1_ROW(T, NAME##_4, 4, unused, SIMD4)                               \
     DEFINE_PHASE1_ROW(T, NAME##_8, 8, unused, SIMD8)                               \
     DEFINE_PHASE1_ROW(T, NAME##_16, 16, unused, NO_SIMD)                           \
     DEFINE_PHASE1_ROW(T, NAME##_any, b, b, NO_SIMD)                                \
-    DEFINE_PHASE2_ROW_NARROW(T, NAME##_2, 2)                                       \
-    DEFINE_PHASE2_ROW_NARROW(T, NAME##_4, 4)                                       \
-    DEFINE_PHASE2_ROW_NARROW(T, NAME##_8, 8)                                       \
-    DEFINE_PHASE2_ROW_NARROW(T, NAME##_16, 16)                                     \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_2, 2, P2SIMD2)                              \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_4, 4, P2SIMD4)                              \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_8, 8, NO_SIMD2)                             \
+    DEFINE_PHASE2_ROW_NARROW(T, NAME##_16, 16, NO_SIMD2)                           \
     DEFINE_PHASE2_ROW_WIDE(T, NAME##_any, b, b)
 
 /* The exported entry points. g and w are contiguous (rows, n); m, v, d and t
  * contiguous (rows, ceil(n / 2^level)). Rows are split across nthreads
  * OpenMP threads (the OpenMP runtime torch already loaded). */
-#define DEFINE_ENTRY_POINTS(T, NAME, SIMD2, SIMD4, SIMD8)                           \
-    DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8)                                      \
+#define DEFINE_ENTRY_POINTS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)         \
+    DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)                    \
     double gwt_adamw_haar_phase1_##NAME(const T *g, T *m, T *v, T *d, T *t,        \
                                         int64_t rows, int64_t n, int level,        \
                                         const gwt_hyper *hp, int nthreads) {       \
@@ -346,7 +398,7 @@ DEFINE_PHASE1_AVX2(8)
         }                                                                          \
     }
 
-DEFINE_ENTRY_POINTS(float, float32, SIMD_FLOAT_2, SIMD_FLOAT_4, SIMD_FLOAT_8)
-DEFINE_ENTRY_POINTS(double, float64, NO_SIMD, NO_SIMD, NO_SIMD)
+DEFINE_ENTRY_POINTS(float, float32, SIMD_FLOAT_2, SIMD_FLOAT_4, SIMD_FLOAT_8, SIMD2_FLOAT_2, SIMD2_FLOAT_4)
+DEFINE_ENTRY_POINTS(double, float64, NO_SIMD, NO_SIMD, NO_SIMD, NO_SIMD2, NO_SIMD2)
 DEFINE_STEPS(float, float32)
 DEFINE_STEPS(double, float64)

@@ -449,7 +449,9 @@ class LMSettings:
     eval_batches: int = 8
     lrs: tuple[float, ...] = (1e-4, 3e-4)
     scale: float = 1.0
-    warmup: float = 0.1
+    # GWT's first steps have heavy-tailed detail updates (docs/finetuning.md):
+    # short runs need a warm-up of several steps.
+    warmup: float = 0.3
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     seed: int = 0
