@@ -108,35 +108,34 @@ def _cases(device: str) -> list[Case]:
         cases.append(Case("8-bit AdamW (torchao)", lambda p: AdamW8bit(p, lr=1e-3)))
     except ImportError:
         pass
-    cases += _family_cases()
+    cases += _family_cases(device)
     return cases
 
 
-def _family_cases() -> list[Case]:
-    """The other GWT families against their plain (level 0) forms."""
-    out: list[Case] = []
+def _family_cases(device: str) -> list[Case]:
+    """The other GWT families at levels 1-3 against their plain (level 0) forms."""
     try:
-        from gwt_optim.optim import GWTMuon
-
-        out.append(Case("Muon (torch)", lambda p: torch.optim.Muon(p, lr=1e-3)))
-        out.append(Case("GWT-Muon l=0", lambda p: GWTMuon(p, lr=1e-3, level=0), baseline="Muon (torch)"))
-        out.append(Case("GWT-Muon l=2", lambda p: GWTMuon(p, lr=1e-3, level=2), baseline="Muon (torch)"))
+        from gwt_optim.optim import GWTAdafactor, GWTAdamMini, GWTMuon
     except ImportError:
-        pass
-    try:
-        from gwt_optim.optim import GWTAdamMini
-
-        out.append(Case("GWT-Adam-mini l=0", lambda p: GWTAdamMini(p, lr=1e-3, level=0)))
-        out.append(Case("GWT-Adam-mini l=2", lambda p: GWTAdamMini(p, lr=1e-3, level=2), baseline="GWT-Adam-mini l=0"))
-    except ImportError:
-        pass
-    try:
-        from gwt_optim.optim import GWTAdafactor
-
-        out.append(Case("Adafactor (torch)", lambda p: torch.optim.Adafactor(p, lr=1e-3)))
-        out.append(Case("GWT-Adafactor l=2", lambda p: GWTAdafactor(p, lr=1e-3, level=2), baseline="Adafactor (torch)"))
-    except ImportError:
-        pass
+        return []
+    # torch's Muon runs Newton-Schulz in bf16, 7-8x slower than fp32 on CPUs
+    # (benchmarks/newton_schulz.py); compare like with like on each device.
+    ns = "bfloat16" if device.startswith("cuda") else "float32"
+    plain = {"level": 0, "scale": 1.0, "norm_growth_limit": None}
+    out = [
+        Case("Muon l=0", lambda p: GWTMuon(p, lr=1e-3, ns_dtype=ns, **plain)),
+        Case("Adam-mini l=0", lambda p: GWTAdamMini(p, lr=1e-3, **plain)),
+        Case("Adafactor (torch)", lambda p: torch.optim.Adafactor(p, lr=1e-3)),
+    ]
+    if device.startswith("cuda"):
+        out.append(Case("Muon (torch)", lambda p: torch.optim.Muon(p, lr=1e-3), baseline="Muon l=0"))
+    for lv in (1, 2, 3):
+        out += [
+            Case(f"GWT-Muon l={lv}", lambda p, lv=lv: GWTMuon(p, lr=1e-3, level=lv, ns_dtype=ns), baseline="Muon l=0"),
+            Case(f"GWT-Adam-mini l={lv}", lambda p, lv=lv: GWTAdamMini(p, lr=1e-3, level=lv), baseline="Adam-mini l=0"),
+            Case(f"GWT-Adafactor l={lv}", lambda p, lv=lv: GWTAdafactor(p, lr=1e-3, level=lv),
+                 baseline="Adafactor (torch)"),
+        ]
     return out
 
 
@@ -230,7 +229,10 @@ def main() -> None:
     for config in args.config.split(","):
         rows = run(config, args.device, args.rounds, args.steps, args.only)
         for r in rows:
-            ratio = f"{r['ratio']:.2f}x {'' if r['baseline'] == 'AdamW fused' else '(vs ' + r['baseline'] + ')'}"
+            if math.isnan(r["ratio"]):
+                ratio = "-"  # its baseline was not run (--only)
+            else:
+                ratio = f"{r['ratio']:.2f}x {'' if r['baseline'] == 'AdamW fused' else '(vs ' + r['baseline'] + ')'}"
             print(
                 f"| {config} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
                 f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} |",
