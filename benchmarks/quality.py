@@ -153,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     gwt = next((k for k in final if k.startswith("gwt-adamw") and "level=2" in k), None)
     galore = next((k for k in final if k.startswith("galore")), None)
-    if gwt and base:
-        gap = final[gwt]["mean"] - base["mean"]
-        verdicts.append(f"- GWT-AdamW level 2 vs AdamW: {gap:+.4f} nats "
-                        f"({'meets' if gap <= BAR_NATS else 'MISSES'} the bar of +{BAR_NATS}).")
+    for name in (k for k in final if k.split(":")[0] == "adamw"):  # AdamW, and AdamW with GWT's alpha
+        if gwt:
+            gap = final[gwt]["mean"] - final[name]["mean"]
+            verdicts.append(f"- GWT-AdamW level 2 vs {name}: {gap:+.4f} nats "
+                            f"({'meets' if gap <= BAR_NATS else 'MISSES'} the bar of +{BAR_NATS}).")
     if gwt and galore:
         g, l = final[gwt], final[galore]
         ok = g["mean"] < l["mean"] and g["state_bytes"] <= l["state_bytes"]
