@@ -33,7 +33,7 @@ def plot_validation_loss(runs: Sequence[tuple[str, list[dict[str, Any]]]], path:
             ax.plot(steps, losses, marker="o", markersize=3, linewidth=1.5, label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(title or "Validation loss")
+    ax.set_title(title or "Validation loss", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -52,9 +52,10 @@ def plot_memory_vs_perplexity(summaries: Sequence[dict[str, Any]], labels: Seque
         x, y = s["state_bytes"] / 2**20, s["val_ppl"]
         ax.scatter([x], [y], s=40)
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.margins(x=0.35, y=0.12)  # room for the point labels, which extend to the right
     ax.set_xlabel("optimizer state (MiB, measured)")
     ax.set_ylabel("validation perplexity")
-    ax.set_title(title or "Memory vs quality (lower left is better)")
+    ax.set_title(title or "Memory vs quality (lower left is better)", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)

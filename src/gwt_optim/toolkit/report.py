@@ -102,13 +102,17 @@ def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimiz
     loaded = [load_run(r) for r in runs]
     summaries = [s for s, _ in loaded]
     labels = [label(s) for s in summaries]
+    # The plots have no lr/alpha columns: name them when they differ between runs.
+    for key, sym in (("lr", "lr"), ("scale", "α")):
+        if len({s.get(key) for s in summaries}) > 1:
+            labels = [f"{lab}, {sym}={s.get(key):g}" for lab, s in zip(labels, summaries)]
     first = summaries[0]
     setting = (
         f"{first.get('model')} ({first.get('params', 0) / 1e6:.2f}M params) on {first.get('data')}, "
         f"{first.get('steps')} steps, {first.get('tokens', 0):,} tokens, seed {first.get('seed')}"
     )
     loss_png = plot_validation_loss(list(zip(labels, [m for _, m in loaded])), out / "val_loss.png",
-                                    title=f"Validation loss: {setting}")
+                                    title=f"Validation loss\n{setting}")
     mem_png = plot_memory_vs_perplexity(summaries, labels, out / "memory_vs_ppl.png")
     table = markdown_table(summaries)
     md = "\n\n".join(
