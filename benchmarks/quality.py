@@ -64,9 +64,7 @@ class Runner:
         config = TrainConfig.from_dict({**DEMO, **self.overrides, "optimizer": spec, "lr": lr, "seed": seed,
                                         "out": str(run), "progress": False}).to_dict()
         summary = run / "summary.json"
-        if self.resume and summary.is_file() and json.loads((run / "config.json").read_text()) == json.loads(
-            json.dumps(config)
-        ):
+        if self.resume and summary.is_file() and self._same(run / "config.json", config):
             return json.loads(summary.read_text())
         run.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # a rerun starts afresh
@@ -84,6 +82,13 @@ class Runner:
         print(f"  {spec} lr={lr:g} seed={seed}: val_loss {result['val_loss']:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         return result
+
+    @staticmethod
+    def _same(path: Path, config: dict) -> bool:
+        try:
+            return json.loads(path.read_text()) == json.loads(json.dumps(config))
+        except (OSError, json.JSONDecodeError):  # a run folder left half-written
+            return False
 
     def many(self, jobs: list[tuple[str, float, int]], parallel: int) -> list[dict]:
         with ThreadPoolExecutor(max_workers=parallel) as pool:
