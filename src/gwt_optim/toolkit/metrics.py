@@ -126,37 +126,13 @@ def reset_peak_memory(device: torch.device | None = None) -> None:
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by ``optimizer``'s state on this process, each storage once.
 
-    Uses :func:`gwt_optim.memory.optimizer_state_bytes`, which also looks
-    inside torchao's quantized state subclasses and helper objects such as
-    GaLore's projector. Sharded (DTensor) state counts this rank's shard.
+    :func:`gwt_optim.memory.optimizer_state_bytes` also looks inside torchao's
+    quantized state subclasses and helper objects such as GaLore's projector;
+    sharded (DTensor) state counts this rank's shard.
     """
     from gwt_optim.memory import optimizer_state_bytes
 
-    try:
-        return int(optimizer_state_bytes(optimizer))
-    except AttributeError:
-        # Some DTensor versions list non-tensors (the device mesh) among their
-        # flattened inner attributes; count the local shards directly then.
-        return _local_state_bytes(optimizer)
-
-
-def _local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    from gwt_optim.memory import tensor_bytes
-
-    seen: set = set()
-    total = 0
-    stack: list[Any] = list(optimizer.state.values())
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            total += tensor_bytes(obj.to_local() if hasattr(obj, "to_local") else obj, seen)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-            stack.extend(vars(obj).values())  # helper objects, e.g. GaLore's projector
-    return total
+    return int(optimizer_state_bytes(optimizer))
 
 
 def format_bytes(n: float | None) -> str:

@@ -86,6 +86,7 @@ def _environment_line(run: Path) -> str:
         return ""
     env = json.loads(path.read_text())
     device = env.get("gpu") or f"{env.get('cpu')} ({env.get('cpu_count')} cores)"
+    device += f", torch threads {env.get('torch_threads')}"
     return (
         f"Hardware: {device}, world size {env.get('world_size', 1)}. torch {env.get('torch')}, "
         f"transformers {env.get('transformers')}, gwt-optim {env.get('gwt_optim')}, commit {env.get('git_commit')}."
