@@ -20,11 +20,13 @@ from gwt_optim import GWTAdamW
 # ----------------------------------------------------------------- oracles --- #
 
 
-def numpy_gwt_adamw(W0, grads, *, lr, betas, eps, wd, level, scale, gamma, authors=False):
+def numpy_gwt_adamw(W0, grads, *, lr, betas, eps, wd, level, scale, gamma, authors=False, clip=None):
     """The issue's 7 steps, written independently with PyWavelets per row.
 
     ``authors=True`` follows the authors' public code instead: eps added to
     sqrt(V) before bias correction and weight decay applied after the step.
+    ``clip`` clamps the reconstruction of the normalized details alone (before
+    the limiter's r) to [-clip, clip]: the opt-in ``detail_clip`` remedy.
     """
     b1, b2 = betas
     W = W0.astype(np.float64).copy()
@@ -57,9 +59,17 @@ def numpy_gwt_adamw(W0, grads, *, lr, betas, eps, wd, level, scale, gamma, autho
         for i, D in enumerate(details):  # coarsest first: den repeated 2^i
             rep = np.repeat(den, 2**i, axis=-1)[:, : D.shape[-1]]
             new_details.append(D / (rep * r))
-        rec = np.stack(
-            [pywt.waverec([U[k], *[d[k] for d in new_details]], "haar", mode="zero")[:n] for k in range(U.shape[0])]
-        )
+        if clip is None:
+            rec = np.stack(
+                [pywt.waverec([U[k], *[d[k] for d in new_details]], "haar", mode="zero")[:n]
+                 for k in range(U.shape[0])]
+            )
+        else:
+            approx = [pywt.waverec([U[k], *[np.zeros_like(d[k]) for d in new_details]], "haar", mode="zero")[:n]
+                      for k in range(U.shape[0])]
+            detail = [pywt.waverec([np.zeros_like(U[k]), *[d[k] * r for d in new_details]], "haar",
+                                   mode="zero")[:n] for k in range(U.shape[0])]
+            rec = np.stack(approx) + np.clip(np.stack(detail), -clip, clip) / r
         delta = scale * rec.reshape(W.shape)
         if authors:
             # exp_avg / (sqrt(exp_avg_sq) + eps) with step_size = lr * sqrt(bc2) / bc1
@@ -162,6 +172,73 @@ def test_fast_path_matches_reference_path(shape, level, gamma):
         for impl in ("fast", "reference")
     ]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------- detail clipping --- #
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("level,n,clip,gamma", [(1, 16, 0.5, 1.01), (2, 24, 0.25, None), (3, 21, 1.0, 1.01),
+                                                (2, 7, 0.5, 1.01)])
+def test_detail_clip_matches_float64_oracle(impl, level, n, clip, gamma):
+    W0, grads = make_problem((5, n), steps=6, seed=n)
+    expected = numpy_gwt_adamw(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1, level=level,
+                               scale=0.25, gamma=gamma, clip=clip)
+    got = run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=level, norm_growth_limit=gamma,
+                                       detail_clip=clip, impl=impl), W0, grads)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-12)
+    # the clip is active on these gradients, so the paper's update differs
+    paper = run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=level, norm_growth_limit=gamma,
+                                         impl=impl), W0, grads)
+    assert not np.allclose(paper.numpy(), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,level", [((16, 16), 2), ((64, 256), 2), ((32, 96), 3), ((8, 64), 1)])
+def test_detail_clip_bounds_the_first_step(shape, level, dtype):
+    """|dW| <= lr alpha (2^(-l/2) + c sqrt(1-b2)/(1-b1)) at step 1 on N(0, 1)
+    gradients; the paper's update exceeds AdamW's 1 x lr by orders of magnitude."""
+    lr, alpha, clip, (b1, b2) = 1e-2, 0.25, 0.5, (0.9, 0.999)
+    bound = lr * alpha * (2 ** (-level / 2) + clip * math.sqrt(1 - b2) / (1 - b1))
+    worst = {}
+    for c in (clip, None):
+        changes = []
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            W = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+            opt = GWTAdamW([W], lr=lr, scale=alpha, level=level, detail_clip=c)
+            W.grad = torch.randn(shape, generator=g, dtype=dtype)
+            opt.step()
+            changes.append(W.detach().abs().max().item())
+        worst[c] = max(changes)
+    assert worst[clip] <= bound * (1 + 1e-5)
+    assert worst[None] > 10 * lr  # the heavy tail the clip removes
+
+
+def test_detail_clip_defaults_to_the_paper_update_and_validates():
+    W0, grads = make_problem((4, 16), steps=3)
+    a = run_torch(lambda p: GWTAdamW(p, lr=1e-2), W0, grads)
+    b = run_torch(lambda p: GWTAdamW(p, lr=1e-2, detail_clip=None), W0, grads)
+    assert torch.equal(a, b)
+    for bad in (0, -1.0, float("inf"), float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="detail_clip"):
+            GWTAdamW([torch.nn.Parameter(torch.zeros(2, 4))], detail_clip=bad)
+
+
+@pytest.mark.parametrize("family", ["GWTMuon", "GWTAdamMini", "GWTAdafactor"])
+def test_detail_clip_reaches_other_families_fast_equals_reference(family):
+    import gwt_optim
+
+    W0, grads = make_problem((8, 32), steps=4, seed=3)
+    cls = getattr(gwt_optim, family)
+    kw = {"ns_dtype": "float64"} if family == "GWTMuon" else {}
+    outs = []
+    for impl in ("fast", "reference"):
+        outs.append(run_torch(lambda p: cls([{"params": p, "detail_clip": 0.5}], lr=1e-2, impl=impl, **kw),
+                              W0, grads))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-12)
+    paper = run_torch(lambda p: cls(p, lr=1e-2, **kw), W0, grads)
+    assert not torch.allclose(paper, outs[0])
 
 
 def test_higher_dim_tensors_transform_along_the_last_axis():

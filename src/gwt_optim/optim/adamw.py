@@ -75,6 +75,10 @@ class GWTAdamW(GWTOptimizer):
         wavelet: ``"haar"`` (built in) or an orthogonal wavelet via ``ptwt``.
         scale: :math:`\\alpha`, the step scale of transformed weights (0.25).
         norm_growth_limit: :math:`\\gamma` of the limiter (1.01; ``None`` = off).
+        detail_clip: clamp each normalized detail
+            :math:`(G_i - \\bar G_k)/\\mathrm{den}_k` to ``[-c, c]`` before the
+            inverse (``None``, the default, is the paper's update); an opt-in
+            remedy for small-batch noise, see ``docs/algorithm.md``.
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
             ``"bfloat16"`` to halve moment memory again, or ``"float64"``.
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
@@ -99,6 +103,7 @@ class GWTAdamW(GWTOptimizer):
         wavelet: str = "haar",
         scale: float = 0.25,
         norm_growth_limit: float | None = 1.01,
+        detail_clip: float | None = None,
         *,
         moment_dtype: str | None = None,
         impl: str = "fast",
@@ -113,6 +118,7 @@ class GWTAdamW(GWTOptimizer):
             wavelet=wavelet,
             scale=scale,
             norm_growth_limit=norm_growth_limit,
+            detail_clip=detail_clip,
             moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
@@ -126,7 +132,10 @@ class GWTAdamW(GWTOptimizer):
         if self._kernels is None:
             # Built lazily: the C compiler or torch.compile runs on the first step only.
             self._kernels = _fused.AdamWHaarKernels(self._compile)
-        return self._kernels.select(w, G, self._moment_dtype(group, G.dtype), level)
+        backend = self._kernels.select(w, G, self._moment_dtype(group, G.dtype), level)
+        if backend is not None and group["detail_clip"] is not None and not getattr(backend, "detail_clip", False):
+            return None  # this backend has no clipped form: the eager path is exact
+        return backend
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         betas = g["betas"]

@@ -45,7 +45,7 @@ def _plain_groups(model: nn.Module, cfg: OptimizerConfig, **transformed_options:
     return list(
         lr_scaled_groups(
             model, cfg.lr, cfg.scale, cfg.recipe, target_modules=cfg.target_modules,
-            transformed_options=transformed_options or None,
+            transformed_options=transformed_options or None, regular_options=cfg.regular_options(),
         )
     )
 
@@ -59,13 +59,12 @@ def _adam_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 
-@register("adam8bit", extra="peers", help="bitsandbytes AdamW8bit (option: min_8bit_size, default 4096)")
+# bitsandbytes keeps tensors under min_8bit_size in 32 bits (its default, 4096).
+@register("adam8bit", extra="peers", help="bitsandbytes AdamW8bit (option: min_8bit_size, default 4096)",
+          options={"min_8bit_size": 4096})
 def _adam8bit(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     bnb = require("bitsandbytes", "peers")
-    # bitsandbytes keeps tensors under min_8bit_size in 32 bits (its default, 4096).
-    return bnb.optim.AdamW8bit(
-        _plain_groups(model, cfg), min_8bit_size=cfg.pop("min_8bit_size", 4096), **_adam_kwargs(cfg)
-    )
+    return bnb.optim.AdamW8bit(_plain_groups(model, cfg), min_8bit_size=cfg.pop("min_8bit_size"), **_adam_kwargs(cfg))
 
 
 def _torchao(cls_name: str) -> Callable[[nn.Module, OptimizerConfig], torch.optim.Optimizer]:
@@ -73,16 +72,19 @@ def _torchao(cls_name: str) -> Callable[[nn.Module, OptimizerConfig], torch.opti
         require("torchao", "peers")
         from torchao import optim as ao
 
-        block = {"block_size": cfg.pop("block_size")} if "block_size" in cfg.options else {}
+        block_size = cfg.pop("block_size")
+        block = {"block_size": block_size} if block_size is not None else {}
         return getattr(ao, cls_name)(_plain_groups(model, cfg), **_adam_kwargs(cfg), **block)
 
     return factory
 
 
-register("torchao-adamw8bit", extra="peers", help="torchao AdamW8bit (torch.compile'd; option: block_size)")(
+register("torchao-adamw8bit", extra="peers", help="torchao AdamW8bit (torch.compile'd; option: block_size)",
+         options={"block_size": None})(
     _torchao("AdamW8bit")
 )
-register("torchao-adamw4bit", extra="peers", help="torchao AdamW4bit (torch.compile'd; option: block_size)")(
+register("torchao-adamw4bit", extra="peers", help="torchao AdamW4bit (torch.compile'd; option: block_size)",
+         options={"block_size": None})(
     _torchao("AdamW4bit")
 )
 
@@ -99,7 +101,7 @@ def _low_rank_groups(model: nn.Module, cfg: OptimizerConfig, projected: dict[str
     ids = {id(p) for p in chosen}
     rest = [p for _, p in split.transformed + split.regular if id(p) not in ids]
     groups = [{"params": chosen, **projected}] if chosen else []
-    return groups + ([{"params": rest}] if rest else [])
+    return groups + ([{"params": rest, **cfg.regular_options()}] if rest else [])
 
 
 @register(
@@ -107,32 +109,38 @@ def _low_rank_groups(model: nn.Module, cfg: OptimizerConfig, projected: dict[str
     extra="peers",
     help="GaLore AdamW: low-rank gradient projection (rank=128, update_proj_gap=200, proj_type=std; "
     "its scale is the module-wise alpha)",
+    options={"rank": 128, "update_proj_gap": 200, "proj_type": "std"},
 )
 def _galore(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     require("galore_torch", "peers", "galore-torch")
     from galore_torch import GaLoreAdamW
 
     projected = {
-        "rank": int(cfg.pop("rank", 128)),
-        "update_proj_gap": int(cfg.pop("update_proj_gap", 200)),
+        "rank": cfg.pop("rank"),
+        "update_proj_gap": cfg.pop("update_proj_gap"),
         "scale": cfg.scale,  # GaLore's alpha: the same module-wise scale GWT uses
-        "proj_type": cfg.pop("proj_type", "std"),
+        "proj_type": cfg.pop("proj_type"),
     }
     return GaLoreAdamW(_low_rank_groups(model, cfg, projected), no_deprecation_warning=True, **_adam_kwargs(cfg))
 
 
-def _apollo_factory(rank: int, scale_type: str, apollo_scale: float):
+def _apollo_options(rank: int, scale_type: str, apollo_scale: float) -> dict:
+    return {"rank": rank, "proj": "random", "scale_type": scale_type, "update_proj_gap": 200,
+            "apollo_scale": apollo_scale, "proj_type": "std"}
+
+
+def _apollo_factory():
     def factory(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         require("apollo_torch", "peers", "apollo-torch")
         from apollo_torch import APOLLOAdamW
 
         projected = {
-            "rank": int(cfg.pop("rank", rank)),
-            "proj": cfg.pop("proj", "random"),
-            "scale_type": cfg.pop("scale_type", scale_type),
-            "update_proj_gap": int(cfg.pop("update_proj_gap", 200)),
-            "scale": float(cfg.pop("apollo_scale", apollo_scale)),  # APOLLO's gradient scale, not alpha
-            "proj_type": cfg.pop("proj_type", "std"),
+            "rank": cfg.pop("rank"),
+            "proj": cfg.pop("proj"),
+            "scale_type": cfg.pop("scale_type"),
+            "update_proj_gap": cfg.pop("update_proj_gap"),
+            "scale": float(cfg.pop("apollo_scale")),  # APOLLO's gradient scale, not alpha
+            "proj_type": cfg.pop("proj_type"),
         }
         groups = _low_rank_groups(model, cfg, projected)
         # APOLLO's own scale multiplies the update by sqrt(scale); the module-wise
@@ -148,12 +156,14 @@ register(
     "apollo",
     extra="peers",
     help="APOLLO AdamW: random projection, channel-wise scaling (rank=128, apollo_scale=1, update_proj_gap=200)",
-)(_apollo_factory(128, "channel", 1.0))
+    options=_apollo_options(128, "channel", 1.0),
+)(_apollo_factory())
 register(
     "apollo-mini",
     extra="peers",
     help="APOLLO-Mini: rank 1, tensor-wise scaling, apollo_scale=128",
-)(_apollo_factory(1, "tensor", 128.0))
+    options=_apollo_options(1, "tensor", 128.0),
+)(_apollo_factory())
 
 
 # --------------------------------------------------------------------------- #
@@ -183,6 +193,8 @@ def _adam_mini(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     for group in opt.param_groups:
         if any(id(p) in chosen for p in group["params"]):
             group["lr"] = cfg.lr * cfg.scale
+        elif cfg.regular_lr is not None:
+            group["lr"] = cfg.regular_lr
     return opt
 
 
@@ -250,6 +262,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
     "muon",
     help="torch.optim.Muon on 2-D hidden weights (momentum=0.95, nesterov, adjust_lr_fn=match_rms_adamw), "
     "AdamW on embeddings, head, norms",
+    options={"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw"},
 )
 def _muon(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     if not hasattr(torch.optim, "Muon"):
@@ -262,18 +275,16 @@ def _muon(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
             chosen = [p for p in params if keep(p)]
             if chosen:
                 target.append({**group, "params": chosen})
+    muon_kwargs = dict(
+        momentum=float(cfg.pop("momentum")),
+        nesterov=cfg.pop("nesterov"),
+        ns_steps=cfg.pop("ns_steps"),
+        # Scale Muon's orthogonal update to AdamW's RMS so one lr serves both parts.
+        adjust_lr_fn=cfg.pop("adjust_lr_fn"),
+    )
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if muon_groups:
-        optimizers["muon"] = torch.optim.Muon(
-            muon_groups,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            momentum=float(cfg.pop("momentum", 0.95)),
-            nesterov=bool(cfg.pop("nesterov", True)),
-            ns_steps=int(cfg.pop("ns_steps", 5)),
-            # Scale Muon's orthogonal update to AdamW's RMS so one lr serves both parts.
-            adjust_lr_fn=cfg.pop("adjust_lr_fn", "match_rms_adamw"),
-        )
+        optimizers["muon"] = torch.optim.Muon(muon_groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **muon_kwargs)
     if adam_groups:
         optimizers["adamw"] = torch.optim.AdamW(adam_groups, **_adam_kwargs(cfg))
     return ChainedOptimizer(optimizers)

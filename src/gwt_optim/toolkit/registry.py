@@ -34,6 +34,10 @@ __all__ = [
     "register",
     "build_optimizer",
     "parse_optimizer_arg",
+    "validate_optimizer_spec",
+    "SHARED_OPTIONS",
+    "GWT_OPTIONS",
+    "gwt_group_options",
     "require",
 ]
 
@@ -63,10 +67,22 @@ class OptimizerConfig:
     scale: float = 1.0  # module-wise alpha on the chosen weights (paper: 0.25 for GWT)
     recipe: str = "paper"
     target_modules: tuple[str, ...] = ("attn", "mlp")
+    # Matrix-only fairness (benchmarks/quality.py): the lr of every parameter
+    # outside the chosen matrices (embeddings, head, norms, biases), which then
+    # trains with AdamW math at alpha 1 whatever the contender; None: ``lr``.
+    regular_lr: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def pop(self, key: str, default: Any = None) -> Any:
         return self.options.pop(key, default)
+
+    def regular_options(self) -> dict[str, Any]:
+        """Group keys for the parameters outside the chosen matrices."""
+        return {} if self.regular_lr is None else {"lr": self.regular_lr}
+
+
+# Options every entry takes: they set the OptimizerConfig field of that name.
+SHARED_OPTIONS: tuple[str, ...] = ("lr", "weight_decay", "eps", "scale", "recipe", "regular_lr")
 
 
 @dataclass
@@ -75,18 +91,19 @@ class OptimizerSpec:
     factory: Callable[[nn.Module, OptimizerConfig], torch.optim.Optimizer]
     extra: str | None = None
     help: str = ""
-    # Values the spec applies when neither the user nor a recipe gave one.
+    # Every option the entry accepts, with its default: the one place a default
+    # is declared. Factories read them with ``cfg.pop(key)``.
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
 REGISTRY: dict[str, OptimizerSpec] = {}
 
 
-def register(name: str, *, extra: str | None = None, help: str = "", defaults: dict | None = None):
+def register(name: str, *, extra: str | None = None, help: str = "", options: dict | None = None):
     def deco(fn):
         if name in REGISTRY:
             raise ValueError(f"optimizer {name!r} registered twice")
-        REGISTRY[name] = OptimizerSpec(name, fn, extra, help, dict(defaults or {}))
+        REGISTRY[name] = OptimizerSpec(name, fn, extra, help, dict(options or {}))
         return fn
 
     return deco
@@ -106,8 +123,45 @@ def _convert(value: str) -> Any:
     return value
 
 
+def _check_type(name: str, key: str, value: Any, default: Any) -> None:
+    """Reject a value whose kind cannot be what the option's default is."""
+    if default is None or value is None:
+        return  # options whose default is None take several kinds (compile=true|native, ...)
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        kind = "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        kind = "an integer"
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        kind = "a number"
+    else:
+        ok = isinstance(value, type(default))
+        kind = f"a {type(default).__name__}"
+    if not ok:
+        raise ValueError(f"{name}: option {key}={value!r} must be {kind}")
+
+
+def _check_options(name: str, opts: dict[str, Any]) -> None:
+    spec = REGISTRY[name]
+    unknown = sorted(set(opts) - set(spec.defaults) - set(SHARED_OPTIONS))
+    if unknown:
+        known = ", ".join(sorted(set(spec.defaults) | set(SHARED_OPTIONS)))
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for {name!r}; it takes: {known}")
+    for key, value in opts.items():
+        if key in spec.defaults:
+            _check_type(name, key, value, spec.defaults[key])
+        elif key in ("lr", "weight_decay", "eps", "scale", "regular_lr"):
+            _check_type(name, key, value, 0.0)
+
+
 def parse_optimizer_arg(text: str) -> tuple[str, dict[str, Any]]:
-    """``"gwt-adamw:level=3:scale=0.5"`` -> ``("gwt-adamw", {"level": 3, "scale": 0.5})``."""
+    """``"gwt-adamw:level=3:scale=0.5"`` -> ``("gwt-adamw", {"level": 3, "scale": 0.5})``.
+
+    Names and option keys and kinds are checked here, so a typo fails before
+    any training starts.
+    """
     name, *pairs = text.strip().split(":")
     opts: dict[str, Any] = {}
     for pair in pairs:
@@ -117,21 +171,28 @@ def parse_optimizer_arg(text: str) -> tuple[str, dict[str, Any]]:
         opts[key.strip().replace("-", "_")] = _convert(value.strip())
     if name not in REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    _check_options(name, opts)
     return name, opts
+
+
+def validate_optimizer_spec(text: str) -> None:
+    """Raise ``ValueError`` for an unknown name, option or option kind in ``text``."""
+    parse_optimizer_arg(text)
 
 
 def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     if name not in REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
     spec = REGISTRY[name]
+    _check_options(name, config.options)
     opts = {**spec.defaults, **config.options}
     cfg = OptimizerConfig(**{**config.__dict__, "options": opts})
-    for key in ("lr", "weight_decay", "eps", "scale", "recipe"):
+    for key in SHARED_OPTIONS:
         if key in cfg.options:  # name:lr=... overrides the shared value
             setattr(cfg, key, cfg.options.pop(key))
     opt = spec.factory(model, cfg)
-    if cfg.options:
-        raise ValueError(f"unknown option(s) for {name!r}: {sorted(cfg.options)}")
+    if cfg.options:  # a declared option its factory forgot to read: a bug here, not the user's
+        raise RuntimeError(f"registry entry {name!r} ignored its option(s) {sorted(cfg.options)}")
     return opt
 
 
@@ -140,49 +201,69 @@ def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> tor
 # --------------------------------------------------------------------------- #
 
 
-@register("adamw", help="torch.optim.AdamW (fused on CPU/GPU where available)")
+@register("adamw", help="torch.optim.AdamW (fused on CPU/GPU where available)", options={"fused": None})
 def _adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     from gwt_optim.groups import lr_scaled_groups
 
-    groups = lr_scaled_groups(model, cfg.lr, cfg.scale, cfg.recipe, target_modules=cfg.target_modules)
-    fused = cfg.pop("fused", None)
-    return torch.optim.AdamW(
-        list(groups), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused
+    groups = lr_scaled_groups(
+        model, cfg.lr, cfg.scale, cfg.recipe, target_modules=cfg.target_modules,
+        regular_options=cfg.regular_options(),
     )
+    return torch.optim.AdamW(
+        list(groups), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=cfg.pop("fused")
+    )
+
+
+# Options of every GWT family's transformed group, with the library's defaults.
+GWT_OPTIONS: dict[str, Any] = {
+    "level": 2,
+    "wavelet": "haar",
+    "norm_growth_limit": 1.01,
+    "detail_clip": None,
+    "impl": "fast",
+    "moment_dtype": None,
+}
+
+
+def gwt_group_options(cfg: OptimizerConfig) -> dict[str, Any]:
+    """Pop the shared GWT options: the transform's keyword arguments of
+    :func:`gwt_optim.groups.gwt_param_groups` plus ``detail_clip``."""
+    return {
+        "level": cfg.pop("level"),
+        "wavelet": cfg.pop("wavelet"),
+        "norm_growth_limit": cfg.pop("norm_growth_limit"),
+        "transformed_options": {"detail_clip": cfg.pop("detail_clip")},
+    }
 
 
 @register(
     "gwt-adamw",
-    help="GWT-AdamW: Adam moments on Haar approximation coefficients (level, wavelet, scale, norm_growth_limit)",
-    defaults={"level": 2},
+    help="GWT-AdamW: Adam moments on Haar approximation coefficients "
+    "(level, wavelet, scale, norm_growth_limit, detail_clip, moment_dtype, compile)",
+    options={**GWT_OPTIONS, "compile": None},
 )
 def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     from gwt_optim.groups import gwt_param_groups
     from gwt_optim.optim import GWTAdamW
 
     split = gwt_param_groups(
-        model,
-        cfg.recipe,
-        level=cfg.pop("level", 2),
-        wavelet=cfg.pop("wavelet", "haar"),
-        scale=cfg.scale,
-        norm_growth_limit=cfg.pop("norm_growth_limit", 1.01),
-        target_modules=cfg.target_modules,
+        model, cfg.recipe, scale=cfg.scale, target_modules=cfg.target_modules,
+        regular_options=cfg.regular_options(), **gwt_group_options(cfg),
     )
-    kwargs = {k: cfg.pop(k) for k in ("impl", "moment_dtype", "detail_clip") if k in cfg.options}
-    return GWTAdamW(list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
+    return GWTAdamW(
+        list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), compile=cfg.pop("compile"),
+    )
 
 
 # Populate the rest of the registry: peers (AdamW8bit, GaLore, APOLLO, Adam-mini,
 # Muon, ...) and the other GWT families. Those modules import their optional
 # packages inside the factories, never at import time.
 def _load_builtin_modules() -> None:
+    # Imported unconditionally: a broken or misspelt module must fail loudly,
+    # not silently drop its optimizers.
     for mod in ("gwt_optim.toolkit.peers", "gwt_optim.toolkit.families"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and exc.name.startswith("gwt_optim")):
-                raise
+        importlib.import_module(mod)
 
 
 _load_builtin_modules()
