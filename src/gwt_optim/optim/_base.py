@@ -138,6 +138,9 @@ class GWTOptimizer(Optimizer):
             "scale": 0.25,
             "norm_growth_limit": 1.01,
             "moment_dtype": None,
+            # Opt-in small-batch remedy (docs/algorithm.md, "Detail clipping"):
+            # None is the paper's update.
+            "detail_clip": None,
         }
         base.update(defaults)
         self._validate_group(base)
@@ -185,6 +188,11 @@ class GWTOptimizer(Optimizer):
         gamma = g["norm_growth_limit"]
         if gamma is not None and not (isinstance(gamma, (int, float)) and gamma >= 1.0):
             raise ValueError(f"Invalid norm_growth_limit (gamma): {gamma!r} (must be >= 1, or None to turn it off)")
+        clip = g["detail_clip"]
+        if clip is not None and not (
+            isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip) and clip > 0
+        ):
+            raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
         md = g["moment_dtype"]
         if md is not None and md not in _MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(_MOMENT_DTYPES)} or None)")
@@ -449,14 +457,15 @@ class GWTOptimizer(Optimizer):
             step_size = lr * self._step_factor(group, state, step)
             ps.fused.phase2(w, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
             return
+        clip = group["detail_clip"] if ps.transformed else None
         if ps.coeffs is not None:
-            delta = _reference_inverse(ps.coeffs, ps.U, ps.den, r) * scale
+            delta = _reference_inverse(ps.coeffs, ps.U, ps.den, r, clip) * scale
         else:
             coef = scale / r if isinstance(r, float) else (scale / r).to(ps.U.dtype)
             if ps.level == 0:
                 delta = ps.U * coef
             else:
-                delta = _haar_delta(ps.grad, ps.A, ps.U, ps.den, coef, ps.level)
+                delta = _haar_delta(ps.grad, ps.A, ps.U, ps.den, coef, ps.level, clip)
         delta = self._postprocess(group, state, delta, ps.transformed)
 
         wd = group["weight_decay"]
@@ -506,22 +515,32 @@ def _haar_approx(G: Tensor, level: int) -> Tensor:
     return blocks @ h
 
 
-def _haar_delta(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int) -> Tensor:
+def _haar_delta(
+    G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int, clip: float | None = None
+) -> Tensor:
     """Closed form of ``coef * inverse([U, D_l/den', ..., D_1/den'])`` for Haar.
 
     On block k the inverse of the details alone is ``G_k - mean(G_k)`` and
     ``mean(G_k) = A_k 2^(-l/2)``, so with ``q = coef/den`` the whole direction is
     ``G_k q_k + c_k`` where ``c_k = 2^(-l/2) (coef U_k - A_k q_k)``: one
     ``addcmul`` pass over G with per-block scalars.
+
+    With ``clip`` the normalized detail ``(G_k - mean(G_k))/den_k`` is clamped
+    to ``[-clip, clip]`` elementwise before ``coef`` scales it.
     """
     blocks, n = wavelets.haar_block_split(G, level)
+    h = 2.0 ** (-level / 2)
     if den is None:
-        q = torch.ones_like(A)
+        d = torch.ones_like(A)
     else:
-        q = torch.where(den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
-    q = q.mul_(coef)
-    c = (U * coef).sub_(A * q).mul_(2.0 ** (-level / 2))
-    delta = torch.addcmul(c.unsqueeze(-1), blocks, q.unsqueeze(-1)).flatten(-2)
+        d = torch.where(den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    if clip is None:
+        q = d.mul_(coef)
+        c = (U * coef).sub_(A * q).mul_(h)
+        delta = torch.addcmul(c.unsqueeze(-1), blocks, q.unsqueeze(-1)).flatten(-2)
+    else:
+        detail = (blocks - (A * h).unsqueeze(-1)).mul_(d.unsqueeze(-1)).clamp_(-clip, clip)
+        delta = detail.add_((U * h).unsqueeze(-1)).mul_(coef).flatten(-2)
     return delta[..., :n] if delta.shape[-1] != n else delta
 
 
@@ -533,14 +552,22 @@ def _repeat_to(den: Tensor, repeats: int, length: int) -> Tensor:
     return out[..., :length]
 
 
-def _reference_inverse(coeffs: wavelets.Coefficients, U: Tensor, den, r) -> Tensor:
+def _reference_inverse(coeffs: wavelets.Coefficients, U: Tensor, den, r, clip: float | None = None) -> Tensor:
     """Steps 4-5 in the paper's notation: normalize each detail level by den'
-    and r, then the inverse transform of [U/r, D~_l, ..., D~_1]."""
+    and r, then the inverse transform of [U/r, D~_l, ..., D~_1].
+
+    With ``clip``, the normalized details' own reconstruction (the inverse of
+    [0, D_l/den', ..., D_1/den']) is clamped to ``[-clip, clip]`` before the
+    division by r; by linearity the approximation part is unchanged.
+    """
     details = []
     for i, D in enumerate(coeffs.details):  # coarsest first: D_l covers 2^0 per coefficient
         Dt = D
         if den is not None:
             Dt = _safe_div(D, _repeat_to(den, 1 << i, D.shape[-1]))
-        Dt = Dt / r
-        details.append(Dt)
-    return wavelets.waverec(coeffs._replace(approx=U / r, details=tuple(details)))
+        details.append(Dt if clip is not None else Dt / r)
+    if clip is None:
+        return wavelets.waverec(coeffs._replace(approx=U / r, details=tuple(details)))
+    approx_part = wavelets.waverec(coeffs._replace(approx=U, details=tuple(torch.zeros_like(D) for D in details)))
+    detail_part = wavelets.waverec(coeffs._replace(approx=torch.zeros_like(U), details=tuple(details)))
+    return (approx_part + detail_part.clamp(-clip, clip)) / r
