@@ -98,3 +98,10 @@ def test_regular_lr_is_a_shared_option_in_a_spec():
     opt = _build("adamw:lr=1e-2:regular_lr=1e-3", model)
     lrs = sorted({g["lr"] for g in opt.param_groups})
     assert lrs == [1e-3, 1e-2]
+
+
+def test_a_spec_eps_changes_the_matrices_only_under_regular_lr():
+    model = _model()
+    opt = _build("gwt-adamw:level=2:eps=1e-6", model, lr=1e-3, eps=1e-8, regular_lr=1e-3)
+    eps = {g["level"]: g["eps"] for g in opt.param_groups}
+    assert eps == {2: 1e-6, 0: 1e-8}

@@ -111,7 +111,7 @@ def _gwt_adam_mini(model: nn.Module, cfg: OptimizerConfig):
             "norm_growth_limit": transform["norm_growth_limit"],
             **transform["transformed_options"],
         },
-        regular_options=cfg.regular_options() or None,
+        regular_options=cfg.regular_options(eps=False) or None,
     )
     kwargs = _given(cfg, ("impl", "moment_dtype", "compile"))
     return GWTAdamMini(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
@@ -135,7 +135,7 @@ def _gwt_adafactor(model: nn.Module, cfg: OptimizerConfig):
         cfg.recipe,
         scale=cfg.scale,
         target_modules=cfg.target_modules,
-        regular_options=cfg.regular_options(),
+        regular_options=cfg.regular_options(eps=False),  # Adafactor's eps is a pair
         **gwt_group_options(cfg),
     )
     return GWTAdafactor(list(split), lr=cfg.lr, weight_decay=cfg.weight_decay, **_given(cfg, _ADAFACTOR_KEYS))

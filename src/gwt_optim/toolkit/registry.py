@@ -71,14 +71,24 @@ class OptimizerConfig:
     # outside the chosen matrices (embeddings, head, norms, biases), which then
     # trains with AdamW math at alpha 1 whatever the contender; None: ``lr``.
     regular_lr: float | None = None
+    # AdamW's eps for those parameters, kept when a spec sets its own eps (set
+    # by build_optimizer), so ``gwt-adamw:eps=1e-6`` changes the matrices only.
+    regular_eps: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def pop(self, key: str, default: Any = None) -> Any:
         return self.options.pop(key, default)
 
-    def regular_options(self) -> dict[str, Any]:
-        """Group keys for the parameters outside the chosen matrices."""
-        return {} if self.regular_lr is None else {"lr": self.regular_lr}
+    def regular_options(self, *, eps: bool = True) -> dict[str, Any]:
+        """Group keys for the parameters outside the chosen matrices (empty
+        unless ``regular_lr`` is set); ``eps=False`` for optimizers whose eps
+        is not AdamW's."""
+        if self.regular_lr is None:
+            return {}
+        keys: dict[str, Any] = {"lr": self.regular_lr}
+        if eps and self.regular_eps is not None:
+            keys["eps"] = self.regular_eps
+        return keys
 
 
 # Options every entry takes: they set the OptimizerConfig field of that name.
@@ -187,6 +197,8 @@ def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> tor
     _check_options(name, config.options)
     opts = {**spec.defaults, **config.options}
     cfg = OptimizerConfig(**{**config.__dict__, "options": opts})
+    if cfg.regular_eps is None:
+        cfg.regular_eps = cfg.eps
     for key in SHARED_OPTIONS:
         if key in cfg.options:  # name:lr=... overrides the shared value
             setattr(cfg, key, cfg.options.pop(key))
