@@ -11,6 +11,17 @@ the median, and as a ratio to fused AdamW measured in the same run.
     python benchmarks/step.py --config 60m            # one config
     python benchmarks/step.py --config 60m,130m --rounds 5
     python benchmarks/step.py --device cuda           # on a GPU
+    python benchmarks/step.py --device cuda --config 130m,smollm2 \
+        --only "AdamW fused,GWT-AdamW l=2 (triton)" --dtype bfloat16
+
+``--config smollm2`` is the 210 attention/MLP matrices of SmolLM2-135M. On
+CUDA each step is timed three ways: host time (``perf_counter`` around
+``step()`` without a synchronization: the launch and Python overhead),
+CUDA-event time of the GPU work alone (the steps are queued behind a
+``torch.cuda._sleep`` so that host overhead does not show), and the achieved
+bandwidth of that GPU time for the bytes the step must move (AdamW: read W, G,
+M, V and write W, M, V; GWT-AdamW at level l: W and G twice, the 2^-l sized
+moments six times; see docs/fast-step.md).
 
 Prints a markdown table and the versions, hardware and git commit.
 """
@@ -37,8 +48,17 @@ sys.path.insert(0, str(ROOT / "src"))
 from gwt_optim import GWTAdamW  # noqa: E402
 
 
+# SmolLM2-135M: hidden 576, intermediate 1536, 30 layers, 9 query and 3
+# key/value heads of 64: 7 matrices a layer, 210 in all (the tied embedding aside).
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, kv_size=192)
+
+
 def llama_shapes(config: str) -> list[tuple[int, int]]:
-    """(out, in) of every attention and MLP weight of a shipped LLaMA config."""
+    """(out, in) of every attention and MLP weight of a shipped LLaMA config,
+    or of SmolLM2-135M (``smollm2``)."""
+    if config == "smollm2":
+        h, i, kv = SMOLLM2_135M["hidden_size"], SMOLLM2_135M["intermediate_size"], SMOLLM2_135M["kv_size"]
+        return [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * SMOLLM2_135M["num_hidden_layers"]
     path = ROOT / "src" / "gwt_optim" / "configs" / f"llama_{config}.json"
     cfg = json.loads(path.read_text())
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
@@ -66,18 +86,26 @@ class Case:
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     baseline: str = "AdamW fused"  # ratio against this case
     amortize_gap: int = 0  # GaLore: the first step recomputes the projection
+    level: int | None = None  # GWT-AdamW's level (for the bytes a step moves); -1: AdamW
 
 
 def _cases(device: str) -> list[Case]:
     cases = [
-        Case("AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
-        Case("AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)),
+        Case("AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), level=-1),
+        Case("AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True), level=-1),
     ]
     for level in (1, 2, 3):
-        cases.append(Case(f"GWT-AdamW l={level}", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv)))
+        cases.append(Case(f"GWT-AdamW l={level}", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv), level=level))
+    if device.startswith("cuda"):
+        # The default on CUDA when triton imports; named, so that a fallback shows as an error.
+        for level in (1, 2, 3):
+            cases.append(Case(f"GWT-AdamW l={level} (triton)",
+                              lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, compile="triton"), level=level))
+        cases.append(Case("GWT-AdamW l=2 (inductor)",
+                          lambda p: GWTAdamW(p, lr=1e-3, level=2, compile="inductor"), level=2))
     # The default above uses the fused kernels (native C on CPU, torch.compile on
     # CUDA); "(eager)" is the same closed form as plain tensor operations.
-    cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False)))
+    cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False), level=2))
     for level in (1, 2, 3):
         cases.append(
             Case(f"GWT-AdamW l={level} (reference)", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, impl="reference"))
@@ -144,30 +172,79 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(config: str, device: str, rounds: int, steps: int, only: str | None) -> list[dict]:
+def step_bytes(case: Case, shapes: list[tuple[int, int]], dtype: torch.dtype) -> float | None:
+    """The bytes one step must move to and from memory (AdamW's moments in the
+    parameter dtype, GWT-AdamW's in fp32)."""
+    if case.level is None:
+        return None
+    w = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for rows, n in shapes:
+        if case.level < 0:  # AdamW: read W, G, M, V; write W, M, V
+            total += rows * n * 7 * w
+        else:  # W, G twice (G read in both phases); M, V read in phase 1, read and written in phase 2
+            b = 1 << case.level
+            total += rows * n * 4 * w + rows * -(-n // b) * 6 * 4
+    return float(total)
+
+
+def _time_cuda(opt: torch.optim.Optimizer, steps: int, host_estimate: float) -> tuple[float, float]:
+    """(host seconds per step, GPU seconds per step) of ``steps`` steps.
+
+    The GPU first sleeps for longer than the host needs to queue all the
+    steps, so the events time the queued GPU work alone, not the host.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    # about 1.5 GHz on recent GPUs; generous, the sleep only has to outlast the host
+    torch.cuda._sleep(int(min(2.0, max(0.01, 2 * host_estimate * steps)) * 1.5e9))
+    start.record()
+    host = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        host += time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    return host / steps, start.elapsed_time(end) / 1e3 / steps
+
+
+def run(config: str, device: str, rounds: int, steps: int, only: str | None, dtype: torch.dtype = torch.float32) -> list[dict]:
     shapes = llama_shapes(config)
     n_params = sum(a * b for a, b in shapes)
-    cases = [c for c in _cases(device) if not only or any(s in c.label for s in only.split(","))]
+    cases = [c for c in _cases(device) if not only or any(s.strip() == c.label or (not s.strip().endswith(")") and s in c.label)
+                                                          for s in only.split(","))]
     gen = torch.Generator(device="cpu").manual_seed(0)
+    cuda = device.startswith("cuda")
     setups = {}
     for case in cases:
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.02) for s in shapes]
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)) for s in shapes]
         for p in params:
-            p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device)
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device=device, dtype=dtype)
         try:
             opt = case.make(params)
+            t0 = time.perf_counter()
+            opt.step()  # creates state; GaLore computes its first projection here
+            _sync(device)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            opt.step()  # a warm step: what the GPU's sleep in _time_cuda must outlast
+            _sync(device)
+            warm = time.perf_counter() - t0
         except Exception as exc:  # a peer that cannot run here (no CUDA kernel, ...)
             print(f"skip {case.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        t0 = time.perf_counter()
-        opt.step()  # creates state; GaLore computes its first projection here
-        _sync(device)
-        first = time.perf_counter() - t0
-        setups[case.label] = (case, params, opt, first)
+        setups[case.label] = (case, params, opt, first, warm)
 
     times: dict[str, list[float]] = {k: [] for k in setups}
+    host: dict[str, list[float]] = {k: [] for k in setups}
     for _ in range(rounds):
-        for label, (case, params, opt, _) in setups.items():
+        for label, (case, params, opt, first, warm) in setups.items():
+            if cuda:
+                h, g = _time_cuda(opt, steps, warm)
+                host[label].append(h)
+                times[label].append(g)
+                continue
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -176,12 +253,17 @@ def run(config: str, device: str, rounds: int, steps: int, only: str | None) -> 
             times[label].append((time.perf_counter() - t0) / steps)
 
     rows = []
-    for label, (case, params, opt, first) in setups.items():
+    for label, (case, params, opt, first, warm) in setups.items():
         ms = statistics.median(times[label]) * 1e3
         if case.amortize_gap:
             ms = (first * 1e3 + (case.amortize_gap - 1) * ms) / case.amortize_gap
+        nbytes = step_bytes(case, shapes, dtype)
+        backends = sorted(getattr(getattr(opt, "_kernels", None), "_backends", {}) or ())
         rows.append({"config": config, "optimizer": label, "ms": ms, "baseline": case.baseline,
-                     "state_bytes": state_bytes(opt), "n_params": n_params})
+                     "state_bytes": state_bytes(opt), "n_params": n_params, "dtype": str(dtype).replace("torch.", ""),
+                     "host_ms": statistics.median(host[label]) * 1e3 if host[label] else math.nan,
+                     "gbps": nbytes / (ms / 1e3) / 1e9 if nbytes else math.nan,
+                     "first_step_s": first, "backends": backends, "n_tensors": len(shapes)})
     by_label = {r["optimizer"]: r for r in rows}
     for r in rows:
         base = by_label.get(r["baseline"])
@@ -220,24 +302,40 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per optimizer per round")
     ap.add_argument("--only", default=None, help="comma-separated substrings of optimizer labels to run")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and gradient dtype")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    cuda = args.device.startswith("cuda")
 
     all_rows = []
     print(f"<!-- {environment()} -->")
-    print("| config | optimizer | ms/step | ratio | state MB | state bytes/param |")
-    print("|---|---|---:|---:|---:|---:|")
+    if cuda:
+        print("| config | dtype | optimizer | GPU ms/step | ratio | host ms/step | GB/s | state MB | backends |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    else:
+        print("| config | optimizer | ms/step | ratio | state MB | state bytes/param |")
+        print("|---|---|---:|---:|---:|---:|")
     for config in args.config.split(","):
-        rows = run(config, args.device, args.rounds, args.steps, args.only)
+        rows = run(config, args.device, args.rounds, args.steps, args.only, dtype)
         for r in rows:
             if math.isnan(r["ratio"]):
                 ratio = "-"  # its baseline was not run (--only)
             else:
                 ratio = f"{r['ratio']:.2f}x {'' if r['baseline'] == 'AdamW fused' else '(vs ' + r['baseline'] + ')'}"
-            print(
-                f"| {config} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
-                f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} |",
-                flush=True,
-            )
+            if cuda:
+                gbps = "-" if math.isnan(r["gbps"]) else f"{r['gbps']:.0f}"
+                print(
+                    f"| {config} ({r['n_tensors']} tensors) | {r['dtype']} | {r['optimizer']} | {r['ms']:.3f} | "
+                    f"{ratio.strip()} | {r['host_ms']:.3f} | {gbps} | {r['state_bytes'] / 2**20:.1f} | "
+                    f"{'+'.join(r['backends']) or '-'} |",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"| {config} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
+                    f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} |",
+                    flush=True,
+                )
         all_rows += rows
     print(f"\n{environment()}")
     if args.json:

@@ -5,6 +5,7 @@ norms are all-reduced in one collective."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 4
 WORLD = 2
+# At this step the first weight's gradient holds a NaN in its last row, which
+# only rank 1's FSDP2 shard sees: every rank must skip that weight's update.
+NAN_STEP = 2
 
 
 def make_model():
@@ -44,10 +48,15 @@ def make_opt(params, gamma=1.01):
 def single_process_result(gamma=1.01):
     model = make_model()
     opt = make_opt(model.parameters(), gamma)
-    for x, y in batches():
+    for t, (x, y) in enumerate(batches()):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        if t == NAN_STEP:
+            next(iter(model.parameters())).grad[-1, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+    assert opt.nonfinite_skips == 1
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -74,11 +83,20 @@ def _train_distributed(rank, mode, out_path):
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = make_opt(model.parameters())
-    for x, y in batches():
+    for t, (x, y) in enumerate(batches()):
         xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xs), ys).backward()
-        opt.step()
+        if t == NAN_STEP:
+            grad = next(iter(model.parameters())).grad
+            if mode == "ddp":  # DDP's all-reduce would have spread it to every rank
+                grad[-1, 0] = float("nan")
+            elif rank == WORLD - 1:  # the last row is on the last rank's shard only
+                grad.to_local()[-1, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+    assert opt.nonfinite_skips == 1
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
     if mode == "fsdp":
         # State follows the parameter's sharding, so DCP can save/reshard it.

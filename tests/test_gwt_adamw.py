@@ -483,7 +483,7 @@ def test_mismatched_checkpoint_is_rejected():
         ({"wavelet": "nope"}, "unknown wavelet 'nope'"),
         ({"norm_growth_limit": 0.9}, "norm_growth_limit \\(gamma\\): 0.9"),
         ({"scale": 0.0}, "scale \\(alpha\\): 0.0"),
-        ({"moment_dtype": "int8"}, "moment_dtype: 'int8'"),
+        ({"moment_dtype": "int4"}, "moment_dtype: 'int4'"),
     ],
 )
 def test_bad_hyperparameters_raise_value_error(kwargs, message):

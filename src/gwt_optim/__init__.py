@@ -8,6 +8,7 @@ of those weights shrinks by 2^l.
 """
 
 from gwt_optim import wavelets
+from gwt_optim.backward import StepInBackward, step_in_backward
 from gwt_optim.groups import ParamSplit, gwt_param_groups, lr_scaled_groups, split_params
 from gwt_optim.optim import *  # noqa: F401,F403
 from gwt_optim.optim import __all__ as _optim_all
@@ -20,6 +21,8 @@ __all__ = [
     "split_params",
     "gwt_param_groups",
     "lr_scaled_groups",
+    "step_in_backward",
+    "StepInBackward",
     "__version__",
     *_optim_all,
 ]

@@ -50,12 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from gwt_optim.toolkit.errors import run_command
+
     try:
-        rc = args.func(args)
+        return run_command(args.command, args.func, args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return int(rc or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -61,6 +61,8 @@ __all__ = [
     "load_config",
     "llama_skeleton",
     "memory_table",
+    "TrainingEstimate",
+    "training_estimate",
     "register",
 ]
 
@@ -361,7 +363,20 @@ def _adafactor(t: TensorSpec, s: Settings, *, level: int = 0, limiter: bool = Fa
 
 
 def _gwt_adam(t: TensorSpec, s: Settings, *, level: int, limiter: bool) -> int:
+    if s.state_dtype == torch.int8:  # moment_dtype="int8"
+        return 2 * _int8_moment(t, s, level) + 4 + (s.scalar_bytes if limiter else 0)
     return 2 * _approx_numel(t, level) * s.state_bytes + 4 + (s.scalar_bytes if limiter else 0)
+
+
+def _int8_moment(t: TensorSpec, s: Settings, level: int) -> int:
+    """One 8-bit moment (gwt_optim.optim._quant): a byte per value and an fp32
+    scale per block of a row; vectors keep moments in the compute dtype."""
+    if len(t.shape) < 2:
+        return t.numel * max(s.weight_bytes, 4)
+    from gwt_optim.optim._quant import blocks
+
+    cols = _approx_numel(t, level) // t.rows
+    return t.rows * (cols + 4 * blocks(cols))
 
 
 @dataclass(frozen=True)
@@ -484,6 +499,9 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+MAX_LEVEL = 16  # the optimizers accept no more (gwt_optim.optim)
+
+
 def estimate(
     model_or_config: nn.Module | Mapping[str, Any] | str | Path,
     optimizer_name: str,
@@ -508,7 +526,8 @@ def estimate(
             GaLore/GWT papers' convention).
         state_dtype: optimizer-state dtype (default ``dtype``). Note that
             GWT's default keeps fp32 moments for bf16 weights
-            (``moment_dtype="bfloat16"`` matches this estimate).
+            (``moment_dtype="bfloat16"`` matches this estimate). ``"int8"``:
+            GWT-AdamW's 8-bit moments (``moment_dtype="int8"``).
         recipe: which weights get the transform (:mod:`gwt_optim.groups`).
         dim, n_heads: hidden size and heads for Adam-mini's head blocks, if
             the module has no ``config``.
@@ -516,8 +535,10 @@ def estimate(
     key = ALIASES.get(optimizer_name, optimizer_name)
     if key not in ESTIMATORS:
         raise ValueError(f"no memory estimate for {optimizer_name!r}; known: {', '.join(ESTIMATORS)}")
-    if level < 0:
-        raise ValueError(f"level must be >= 0, got {level}")
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+        raise ValueError(f"level must be an integer from 0 to {MAX_LEVEL} (each level halves the state), got {level!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
     if isinstance(model_or_config, nn.Module):
         model = model_or_config
         label = type(model).__name__
@@ -535,6 +556,8 @@ def estimate(
         rank = max((d or 256) // 4, 1)
     dtype = _resolve_dtype(dtype)
     sdt = _resolve_dtype(state_dtype or dtype)
+    if sdt == torch.int8 and key != "gwt-adamw":
+        raise ValueError(f"int8 state is estimated for gwt-adamw only (moment_dtype='int8'), not {key!r}")
     wb = dtype.itemsize
     settings = Settings(level=level, rank=rank, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
     est = ESTIMATORS[key]
@@ -550,6 +573,136 @@ def estimate(
         n_params=sum(t.numel for t in specs),
         n_transformed=sum(t.numel for t in specs if t.transformed),
         per_tensor=per_tensor,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# The training peak: weights, state, gradients, activations, step temporaries
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class TrainingEstimate:
+    """Analytic peak bytes of one training step of a LLaMA model (CPU, no
+    autocast: activations in the weights' dtype), by part. Excludes the
+    process's own baseline (the Python runtime and libraries): add it to
+    compare with a peak RSS."""
+
+    model: str
+    optimizer: str
+    weights: int
+    state: int
+    gradients: int  # alive at the peak: all of them, or the largest one in backward
+    activations: int  # saved for backward, plus the loss's and one layer's backward buffers
+    workspace: int  # the largest temporaries of one parameter's step
+    step_in_backward: bool
+    gradient_checkpointing: bool
+    batch_size: int
+    seq_len: int
+
+    @property
+    def total(self) -> int:
+        if self.step_in_backward:
+            # The head is stepped first in backward, while every activation is still held.
+            return self.weights + self.state + self.activations + self.gradients + self.workspace
+        # Normal: activations shrink as gradients grow; the step holds every gradient.
+        return self.weights + self.state + max(self.activations, self.gradients + self.workspace)
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "optimizer state": self.state, "gradients": self.gradients,
+                "activations": self.activations, "step workspace": self.workspace, "total": self.total}
+
+
+def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, checkpointing: bool) -> int:
+    """Bytes autograd saves for a Hugging Face LLaMA forward (sdpa attention),
+    fitted to what ``saved_tensors_hooks`` records (tests/test_memory_training.py):
+    per layer and token ab (10 h + 4 i) (norm inputs, q/k/v and rotated q/k,
+    attention output, the MLP's gate, up, SiLU and product) plus fp32 copies
+    of the norm inputs for low-precision weights; the final norm and
+    head's input (3 h); the fp32 log-softmax over the vocabulary."""
+    h, i, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    up = 0 if ab == 4 else 4  # an fp32 copy made from low-precision values
+    per_layer = ab * (10 * h + 4 * i) + up * h + 4 * H + 8
+    # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
+    layers = L * ab * h + per_layer if checkpointing else L * per_layer
+    rest = ab * 3 * h + up * h + 4 * V + 276
+    # Backward starts with the loss: the gradients of the log-probabilities and
+    # the logits (fp32, plus the cast back); later each layer holds one layer's buffers.
+    extra = max(V * (8 + (ab if ab != 4 else 0)), per_layer)
+    return batch * seq * (layers + rest + extra)
+
+
+def _step_workspace(t: TensorSpec, key: str, s: Settings) -> int:
+    """Bytes of temporaries while one parameter is stepped (the paths on CPU)."""
+    n = t.numel
+    if key == "adamw":
+        return 0  # the toolkit's fused AdamW updates in place
+    if key != "gwt-adamw":
+        return 2 * 4 * n  # not calibrated: two fp32 copies
+    approx = _approx_numel(t, s.level if t.transformed else 0)
+    if s.state_dtype != torch.int8 and s.weight_bytes >= 4:
+        # The native C kernels (transformed) and torch's fused AdamW (level 0).
+        return 2 * 4 * approx if t.transformed else 0
+    # The eager path: an fp32 copy of a low-precision gradient and of the
+    # weight, the full-size direction, and (level 0) U and den.
+    casts = 2 * 4 * n if s.weight_bytes < 4 else 0
+    if t.transformed:
+        return casts + 4 * n + 6 * 4 * approx
+    return casts + 4 * n + (2 if s.state_dtype == torch.int8 else 6) * 4 * n
+
+
+def training_estimate(
+    model_or_config: nn.Module | Mapping[str, Any] | str | Path,
+    optimizer_name: str,
+    *,
+    level: int = 2,
+    dtype: torch.dtype | str | None = None,
+    state_dtype: torch.dtype | str | None = None,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    gradient_checkpointing: bool = False,
+    step_in_backward: bool = False,
+    vocab_size: int | None = None,
+    recipe: str = "paper",
+) -> TrainingEstimate:
+    """Peak bytes of a training step: :func:`estimate`'s weights and state,
+    plus gradients, activations and the step's temporaries.
+
+    A normal step holds every gradient when it runs; a step inside backward
+    (:func:`gwt_optim.step_in_backward`) holds only the one being stepped (the
+    largest: the embedding or the head), but while the activations are still
+    held. ``state_dtype`` as :func:`estimate` (``"int8"`` for GWT-AdamW's
+    8-bit moments); ``vocab_size`` overrides the config's.
+    """
+    if isinstance(model_or_config, nn.Module):
+        cfg_obj = getattr(model_or_config, "config", None)
+        cfg = cfg_obj if isinstance(cfg_obj, dict) else (cfg_obj.to_dict() if cfg_obj is not None else {})
+        model = model_or_config
+    else:
+        cfg = load_config(model_or_config)
+        if vocab_size is not None:
+            cfg = {**cfg, "vocab_size": vocab_size}
+        model = cfg
+    e = estimate(model, optimizer_name, level=level, dtype=dtype, state_dtype=state_dtype, recipe=recipe)
+    wb = e.weight_bytes // e.n_params
+    specs = (tensor_specs(model_or_config, recipe) if isinstance(model_or_config, nn.Module)
+             else _config_specs(json.dumps(cfg, sort_keys=True), recipe, None, None))
+    sdt = _resolve_dtype(state_dtype or dtype or (torch.bfloat16 if wb == 2 else torch.float32))
+    settings = Settings(level=level, rank=1, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
+    grads = max(t.numel for t in specs) * wb if step_in_backward else e.n_params * wb
+    return TrainingEstimate(
+        model=e.model,
+        optimizer=e.optimizer,
+        weights=e.weight_bytes,
+        state=e.state_bytes,
+        gradients=grads,
+        activations=_activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing),
+        workspace=max(_step_workspace(t, e.optimizer, settings) for t in specs),
+        step_in_backward=step_in_backward,
+        gradient_checkpointing=gradient_checkpointing,
+        batch_size=batch_size,
+        seq_len=seq_len,
     )
 
 
@@ -600,7 +753,7 @@ def memory_table(
     rows: dict[str, list[str]] = {}
     base: dict[str, MemoryEstimate] = {}
     for m in models:
-        r = rank or PAPER_RANKS.get(m.lower())
+        r = rank if rank is not None else PAPER_RANKS.get(m.lower())
         base[m] = estimate(m, "adamw", dtype=dtype, recipe=recipe)
         for name in optimizers:
             e = estimate(m, name, level=level, rank=r, dtype=dtype, recipe=recipe)

@@ -54,11 +54,19 @@ cache; the results are the same.
 
 Parameters with fewer than two dimensions are updated by the plain family
 (no transform, :math:`\alpha = 1`, no limiter).
+
+**Non-finite gradients.** A parameter whose gradient holds a NaN or an
+infinity is skipped for that step on every path (fused kernels, fast and
+reference): its weight and all its state, the limiter's norm included, stay
+as they were, and only its step count advances. The first skip warns once;
+:attr:`GWTOptimizer.nonfinite_skips` counts them all.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -72,7 +80,9 @@ from gwt_optim.optim import _fused
 __all__ = ["GWTOptimizer", "ParamStep", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "fast")
-_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# "int8": blockwise 8-bit codes plus fp32 block scales (gwt_optim.optim._quant),
+# for the families that set _INT8_MOMENTS; the moment tensors hold the codes.
+_MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "int8": torch.uint8}
 # Fira's limiter divides by the previous norm; this keeps it finite at s = 0.
 _LIMITER_EPS = 1e-8
 
@@ -113,8 +123,10 @@ class GWTOptimizer(Optimizer):
 
     Subclasses implement :meth:`_init_family_state`, :meth:`_approx_update`
     and :meth:`_step_factor`, and may override :meth:`_postprocess`,
-    :meth:`_validate_family` and :meth:`_fused_kernel` (fused kernels for the
-    whole transformed step of some parameters).
+    :meth:`_validate_family`, :meth:`_validate_param` and
+    :meth:`_fused_kernel` (fused kernels for the whole transformed step of
+    some parameters). Hooks that need the parameter receive its
+    :class:`ParamStep`.
 
     ``compile`` chooses fused kernels where a family has them: ``None`` (auto:
     where they can be built, else the eager path with one warning), ``True``
@@ -147,13 +159,44 @@ class GWTOptimizer(Optimizer):
         _fused.check_compile_option(compile)
         self._impl = impl
         self._compile = compile
+        self._init_bookkeeping()
         super().__init__(params, base)
+
+    #: The family's name in messages and in saved state dicts.
+    _family = "GWTOptimizer"
+    #: Whether the family stores ``moment_dtype="int8"`` moments (:mod:`._quant`).
+    _INT8_MOMENTS = False
+
+    def _init_bookkeeping(self) -> None:
+        self.__dict__.setdefault("_nonfinite_skips", 0)
+        # Per-device skip counts that fused device kernels keep without a host sync.
+        self.__dict__.setdefault("_nonfinite_counters", {})
+        self.__dict__.setdefault("_warned_nonfinite", False)
+        # Expected state shapes per (group, approximation shape, ...): see _state_problem.
+        self.__dict__.setdefault("_state_specs", {})
+
+    @property
+    def nonfinite_skips(self) -> int:
+        """How many parameter updates were skipped because the gradient held
+        a NaN or an infinity (one per parameter and step)."""
+        return self._nonfinite_skips + sum(int(c.item()) for c in self._nonfinite_counters.values())
 
     # ------------------------------------------------------------ set-up --- #
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._validate_group(merged)
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch rejects sets itself, with its own message
+            params = param_group["params"] = list(params)  # a generator can be read once
+        if not isinstance(params, set):
+            index = len(self.param_groups)
+            for i, p in enumerate(params):
+                if isinstance(p, Tensor):
+                    self._validate_param(p, merged, f"parameter {i} of group {index} (shape {tuple(p.shape)})")
+        self._state_specs.clear()
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -164,15 +207,17 @@ class GWTOptimizer(Optimizer):
                 group.setdefault(key, value)
         self.__dict__.setdefault("_impl", "fast")
         self.__dict__.setdefault("_compile", None)
+        self._init_bookkeeping()
 
     def _validate_group(self, g: dict[str, Any]) -> None:
         lr = g.get("lr")
         if isinstance(lr, Tensor):
             lr = lr.item()
-        if lr is None or not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-        if not 0.0 <= g.get("weight_decay", 0.0):
-            raise ValueError(f"Invalid weight_decay value: {g['weight_decay']} (must be >= 0)")
+        if not _is_real(lr) or not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr!r} (must be a number >= 0)")
+        wd = g.get("weight_decay", 0.0)
+        if not _is_real(wd) or not 0.0 <= wd:
+            raise ValueError(f"Invalid weight_decay value: {wd!r} (must be a number >= 0)")
         level = g["level"]
         if not isinstance(level, int) or isinstance(level, bool) or level < 0:
             raise ValueError(f"Invalid level: {level!r} (must be an int >= 0)")
@@ -196,12 +241,32 @@ class GWTOptimizer(Optimizer):
         md = g["moment_dtype"]
         if md is not None and md not in _MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(_MOMENT_DTYPES)} or None)")
+        if md == "int8" and not self._INT8_MOMENTS:
+            raise ValueError(f"moment_dtype='int8' is not implemented for {self._family} (GWTAdamW has it)")
         self._validate_family(g)
 
     # ---------------------------------------------------- family hooks --- #
 
     def _validate_family(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for out-of-range family hyperparameters."""
+
+    def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
+        """Raise ``ValueError`` for a parameter this family cannot update.
+
+        Runs for every parameter of every group, at construction and in
+        :meth:`add_param_group`, before the group is added. ``group`` holds the
+        group's options merged with the defaults; ``where`` names the
+        parameter for messages. Families extend it (calling ``super()``).
+        """
+        if p.is_complex():
+            raise ValueError(
+                f"{self._family}: {where} is complex ({p.dtype}); GWT transforms real tensors. "
+                "Optimize its real and imaginary parts as real parameters (e.g. torch.view_as_real)"
+            )
+        if not p.is_floating_point():
+            raise ValueError(
+                f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized"
+            )
 
     def _init_family_state(
         self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype, transformed: bool
@@ -222,33 +287,45 @@ class GWTOptimizer(Optimizer):
         """
         raise NotImplementedError
 
-    def _step_factor(self, group: dict, state: dict, step: int) -> float:
-        """The multiplier :math:`c_t` on ``lr`` (Adam: bias correction)."""
+    def _step_factor(self, ps: ParamStep) -> float:
+        """The multiplier :math:`c_t` on ``lr`` (Adam: bias correction) for
+        this parameter's step; ``ps.param`` is the weight before the update."""
         return 1.0
 
-    def _postprocess(self, group: dict, state: dict, delta: Tensor, transformed: bool) -> Tensor:
+    def _postprocess(self, ps: ParamStep, delta: Tensor) -> Tensor:
         """A hook on the full-size direction :math:`\\Delta` (Muon orthogonalizes)."""
         return delta
 
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
-    def _fused_kernel(self, group: dict, w: Tensor, G: Tensor, level: int) -> Any | None:
+    def _fused_kernel(self, group: dict, w: Tensor, G: Tensor, level: int) -> _fused.FusedBackend | None:
         """A fused kernel backend for the transformed Haar step of this
         parameter (level >= 1, fast path), or ``None`` for the generic path.
 
-        A backend provides ``phase1(group, state, G, level, step) ->
-        (norm_sq, carry)``, which updates the family state and returns the
-        limiter's squared norm, and ``phase2(w, G, level, carry, r, scale,
-        decay)``, which applies ``w <- w * decay - scale / r * delta``; phase 2
-        may run right after its phase 1 or after other parameters' phase 1.
-        A backend with ``batched = True`` also provides ``step_many(items,
-        limiter_eps)``, the whole step of many parameters at once (with the
-        limiter), for every parameter that needs no collective; ``items`` are
-        ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
-        Fused steps skip :meth:`_postprocess`. The default has none.
+        A backend follows :class:`gwt_optim.optim._fused.FusedBackend`:
+        ``phase1(group, state, G, level, step) -> (norm_sq, carry)`` updates
+        the family state and returns the limiter's squared norm, and
+        ``phase2(w, G, level, carry, r, scale, decay)`` applies
+        ``w <- w * decay - scale / r * delta``; phase 2 may run right after its
+        phase 1 or after other parameters' phase 1. A backend with
+        ``batched = True`` also provides ``step_many(items, limiter_eps)``, the
+        whole step of many parameters at once (with the limiter and the
+        non-finite check), for every parameter that needs no collective;
+        ``items`` are ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
+        The state is checked with :func:`~gwt_optim.optim._fused.state_problem`
+        before a backend sees it. Fused steps skip :meth:`_postprocess`. The
+        default has none.
         """
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # Tag each group with the family, so that loading it into another
+        # family fails with a message (torch's param groups are fresh dicts).
+        for g in sd["param_groups"]:
+            g["optimizer"] = self._family
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping each state tensor's saved dtype.
@@ -256,20 +333,144 @@ class GWTOptimizer(Optimizer):
         ``torch.optim.Optimizer`` casts floating-point state to the parameter's
         dtype on load, which would silently turn the fp32 moments of bf16
         parameters into bf16 ones; GWT keeps the dtype it saved.
+
+        Raises ``ValueError`` when the state dict comes from another optimizer
+        or family, or when a saved state tensor's shape does not fit its
+        parameter at its group's level; nothing is changed then.
         """
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved_groups = state_dict["param_groups"]
+        self._check_family(saved_groups)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
         if len(saved_ids) != sum(len(g["params"]) for g in self.param_groups):
             raise ValueError(
                 "checkpoint does not match this optimizer: it holds "
                 f"{len(saved_ids)} parameters, the optimizer {sum(len(g['params']) for g in self.param_groups)}"
             )
+        state_dict = {
+            **state_dict,
+            "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in saved_groups],
+        }
+        self._check_saved_state(state_dict)
         super().load_state_dict(state_dict)
+        self._state_specs.clear()
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, saved in state_dict["state"].get(pid, {}).items():
                 if isinstance(saved, Tensor) and key != "step" and saved.dtype != self.state[p][key].dtype:
                     # re-copy from the saved tensor: casting back would have lost bits
                     self.state[p][key] = saved.to(device=p.device, copy=True)
+
+    def _check_family(self, saved_groups: list[dict[str, Any]]) -> None:
+        """Refuse a state dict saved by another optimizer or GWT family."""
+        mine = self._family
+        tags = {g["optimizer"] for g in saved_groups if "optimizer" in g}
+        if tags:
+            if tags != {mine}:
+                raise ValueError(
+                    f"this state dict was saved by {', '.join(sorted(map(str, tags)))}; it cannot be loaded into {mine}"
+                )
+            return
+        # Untagged: another library's optimizer, or a GWT state dict saved before the tag.
+        keys = set().union(*(g.keys() for g in saved_groups)) if saved_groups else set()
+        if saved_groups and not {"level", "scale"} <= keys:
+            if "amsgrad" in keys:
+                adam = saved_groups[0].get("decoupled_weight_decay") is False
+                other = "torch.optim.Adam" if adam else "torch.optim.AdamW"
+            else:
+                other = "a non-GWT optimizer"
+            raise ValueError(
+                f"this state dict was saved by {other} (its param groups have no GWT 'level'); "
+                f"it cannot be loaded into {mine}"
+            )
+        other = _guess_family(keys)
+        if other is not None and other != mine and mine in _FAMILY_GROUP_KEYS:
+            raise ValueError(f"this state dict was saved by {other}; it cannot be loaded into {mine}")
+
+    def _check_saved_state(self, state_dict: dict[str, Any]) -> None:
+        """Check every saved state tensor's shape against its parameter and
+        its group's saved level, before anything is loaded."""
+        for gi, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            if len(group["params"]) != len(saved["params"]):
+                continue  # torch raises its own error for this
+            options = {**self.defaults, **{k: v for k, v in saved.items() if k != "params"}}
+            for pi, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+                st = state_dict["state"].get(pid)
+                if not st:
+                    continue
+                transformed = p.ndim >= 2
+                level = options["level"] if transformed else 0
+                try:
+                    approx = _approx_shape(tuple(p.shape), level, options["wavelet"])
+                    spec = self._expected_state(options, approx, transformed)
+                except Exception as exc:  # options a family cannot build state for
+                    raise ValueError(
+                        f"{self._family}: parameter {pi} of group {gi} (shape {tuple(p.shape)}): "
+                        f"cannot check its saved state ({exc})"
+                    ) from exc
+                for key, shape in spec.items():
+                    t = st.get(key)
+                    if not isinstance(t, Tensor):
+                        problem = f"the saved state has no tensor {key!r} (keys: {sorted(st)})"
+                    elif tuple(t.shape) != shape:
+                        problem = (
+                            f"the saved state {key!r} has shape {tuple(t.shape)}, but level {level} needs {shape}: "
+                            "the state dict belongs to another model, parameter order or level"
+                        )
+                    else:
+                        continue
+                    where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+                    raise ValueError(f"{self._family}: {where}: {problem}")
+
+    def _expected_state(self, group: dict, approx_shape: tuple[int, ...], transformed: bool) -> dict[str, tuple]:
+        """The shapes of the family's state tensors for approximation
+        coefficients of ``approx_shape``: what :meth:`_init_family_state`
+        creates, built on the meta device (no memory, no copy of the rule)."""
+        state: dict[str, Any] = {}
+        approx = torch.empty(approx_shape, device="meta")
+        self._init_family_state(group, state, approx, approx.dtype, transformed)
+        return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
+
+    def _state_problem(self, group: dict, state: dict, approx: Tensor, moment_dtype, transformed: bool) -> str | None:
+        """What makes an existing state unfit for this eager step, or None."""
+        key = (id(group), tuple(approx.shape), transformed, moment_dtype)
+        spec = self._state_specs.get(key)
+        if spec is None:
+            spec = self._state_specs[key] = self._expected_state(group, tuple(approx.shape), transformed)
+        for name, shape in spec.items():
+            t = state.get(name)
+            if not isinstance(t, Tensor):
+                return f"its state has no tensor {name!r} (keys: {sorted(state)})"
+            if tuple(t.shape) != shape:
+                return (
+                    f"state {name!r} has shape {tuple(t.shape)}, but a level-{group['level'] if transformed else 0} "
+                    f"step needs {shape}: the state belongs to another parameter or level"
+                )
+            if t.device != approx.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
+                return (
+                    f"state {name!r} is a {t.dtype} tensor on {t.device}, "
+                    f"the step runs in {approx.dtype} on {approx.device}"
+                )
+        return None
+
+    def _describe(self, p: Tensor) -> str:
+        """``parameter i of group j (shape ...)``, for messages (a scan: errors only)."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+        return f"a parameter of shape {tuple(p.shape)}"
+
+    def _record_nonfinite(self, p: Tensor) -> None:
+        self._nonfinite_skips += 1
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"{self._family}: the gradient of {self._describe(p)} holds a NaN or an infinity; its update was "
+                "skipped (weight and state unchanged, its step count advances). Further skips are counted in "
+                ".nonfinite_skips without a warning",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     # ------------------------------------------------------------ step --- #
 
@@ -282,25 +483,61 @@ class GWTOptimizer(Optimizer):
 
         deferred: list[ParamStep] = []
         batched: list[ParamStep] = []
+        sharded = [p for g in self.param_groups for p in g["params"] if p.grad is not None and _is_dtensor(p)]
+        finite = self._finite_across_ranks(sharded) if sharded else {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                ps = self._phase1(p, group)
-                if ps.batched:
-                    batched.append(ps)
-                elif self._needs_collective(ps):
-                    deferred.append(ps)
-                else:
-                    self._phase2(ps)
+                if p.numel() == 0:
+                    continue  # nothing to update, and no state to keep
+                ps = self._phase1(p, group, finite.get(id(p)))
+                if ps is not None:  # None: skipped, a non-finite gradient
+                    self._route(ps, batched, deferred)
+        self._finish(batched, deferred)
+        return loss
 
+    @torch.no_grad()
+    def step_param(self, p: Tensor, group: dict | None = None) -> None:
+        """The step of parameter ``p`` alone (of ``group``, found if None),
+        exactly as :meth:`step` takes it, without visiting the others.
+
+        For stepping inside backward (:func:`gwt_optim.step_in_backward`): the
+        limiter and every other statistic are per parameter, so stepping the
+        parameters one at a time equals one :meth:`step` over all of them.
+        """
+        if group is None:
+            group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+            if group is None:
+                raise ValueError(f"{self._family}: step_param got a parameter this optimizer does not hold")
+        if p.grad is None or p.numel() == 0:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        finite = self._finite_across_ranks([p]) if _is_dtensor(p) else {}
+        ps = self._phase1(p, group, finite.get(id(p)))
+        if ps is not None:
+            batched: list[ParamStep] = []
+            deferred: list[ParamStep] = []
+            self._route(ps, batched, deferred)
+            self._finish(batched, deferred)
+
+    def _route(self, ps: ParamStep, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
+        """Phase 2 now, or queued for the batched kernels or the limiter's collective."""
+        if ps.batched:
+            batched.append(ps)
+        elif self._needs_collective(ps):
+            deferred.append(ps)
+        else:
+            self._phase2(ps)
+
+    def _finish(self, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
         self._run_batched(batched)
         self._reduce_limiter_norms(deferred)
         for ps in deferred:
             self._phase2(ps)
-        return loss
 
     def _run_batched(self, steps: list[ParamStep]) -> None:
         """Hand the whole steps a fused backend batches to it, with the
@@ -309,11 +546,36 @@ class GWTOptimizer(Optimizer):
         for ps in steps:
             lr = ps.group["lr"]
             lr = lr.item() if isinstance(lr, Tensor) else lr
-            scale = ps.group["scale"] * lr * self._step_factor(ps.group, ps.state, ps.step)
+            scale = (ps.group["scale"] if ps.transformed else 1.0) * lr * self._step_factor(ps)
             entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
             entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
         for backend, items in by_backend.values():
-            backend.step_many(items, _LIMITER_EPS)
+            skipped = backend.step_many(items, _LIMITER_EPS)
+            if isinstance(skipped, Tensor):  # a device count: no host sync here
+                counter = self._nonfinite_counters.get(skipped.device)
+                self._nonfinite_counters[skipped.device] = skipped if counter is None else counter + skipped
+            else:
+                for ps in skipped or ():
+                    self._record_nonfinite(ps.full_param)
+
+    def _finite_across_ranks(self, params: list[Tensor]) -> dict[int, bool]:
+        """Whether each sharded parameter's whole gradient is finite, in one
+        collective per device mesh: every rank must skip the same parameters,
+        or the limiter's all-reduce and the shards would disagree."""
+        import torch.distributed as dist
+
+        by_mesh: dict[int, list[Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(id(p.device_mesh), []).append(p)
+        finite: dict[int, bool] = {}
+        for group in by_mesh.values():
+            bad = torch.stack([(~torch.isfinite(_local(p.grad))).any() for p in group]).to(torch.int32)
+            mesh = group[0].device_mesh
+            if mesh.size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            for p, b in zip(group, bad.tolist()):
+                finite[id(p)] = not b
+        return finite
 
     @staticmethod
     def _needs_collective(ps: ParamStep) -> bool:
@@ -331,8 +593,12 @@ class GWTOptimizer(Optimizer):
     def _use_fast(self, group: dict, level: int) -> bool:
         return self._impl == "fast" and (group["wavelet"] == wavelets.HAAR or level == 0)
 
-    def _phase1(self, p: Tensor, group: dict) -> ParamStep:
-        """Transform, update the family state on A_l, and the limiter's norm."""
+    def _phase1(self, p: Tensor, group: dict, finite: bool | None = None) -> ParamStep | None:
+        """Transform, update the family state on A_l, and the limiter's norm.
+
+        Returns None when the gradient is not finite (``finite``: known
+        already, for sharded parameters); the state then only counts the step.
+        """
         state = self.state[p]
         w = _local(p)
         g = _local(p.grad)
@@ -348,7 +614,9 @@ class GWTOptimizer(Optimizer):
 
         coeffs = A = fused = None
         if level == 0:
-            A = G
+            fused = self._plain_fused_kernel(group, p, w, G, transformed)
+            if fused is None:
+                A = G
         elif self._use_fast(group, level):
             fused = self._fused_kernel(group, w, G, level)
             if fused is None:
@@ -357,7 +625,12 @@ class GWTOptimizer(Optimizer):
             coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
             A = coeffs.approx
 
-        if "step" not in state:
+        batched = fused is not None and getattr(fused, "batched", False) and not _is_dtensor(p)
+        if finite is None and not batched:
+            # Batched kernels check the gradient themselves, before they change anything.
+            finite = bool(torch.isfinite(G).all())
+        new = "step" not in state
+        if new:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             # The fused kernels compute A themselves; the state only needs its shape.
             approx = A if A is not None else G.new_empty((*G.shape[:-1], wavelets.approx_length(G.shape[-1], level)))
@@ -366,16 +639,29 @@ class GWTOptimizer(Optimizer):
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
             if _is_dtensor(p):
                 _distribute_state(p, w, state)
+        # Families see (and update in place) the local shards of their state.
+        lstate = {k: _local(v) for k, v in state.items()} if _is_dtensor(p) else state
+        if not new:
+            # A loaded state, or a level changed since: fused kernels would
+            # index out of bounds, eager ones fail somewhere inside.
+            md = self._moment_dtype(group, cdt)
+            if fused is not None:
+                problem = _fused.state_problem(w, G, lstate, level, md)
+            else:
+                problem = self._state_problem(group, lstate, A, md, transformed)
+            if problem is not None:
+                raise ValueError(f"{self._family}: {self._describe(p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
         step = int(state["step"].item()) + 1
         state["step"].fill_(step)
+        if finite is False:
+            self._record_nonfinite(p)
+            return None
 
-        # Families see (and update in place) the local shards of their state.
-        lstate = {k: _local(v) for k, v in state.items()} if _is_dtensor(p) else state
         if fused is not None:
             ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, step=step)
             ps.limited = self._limiter_enabled(group, transformed)
-            if getattr(fused, "batched", False) and not _is_dtensor(p):
+            if batched:
                 ps.batched = True  # phase 1, limiter and phase 2 run in _run_batched
                 return ps
             norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
@@ -388,6 +674,26 @@ class GWTOptimizer(Optimizer):
             ps.limited = True
             ps.norm_sq = U.square().sum()
         return ps
+
+    def _plain_fused_kernel(self, group: dict, p: Tensor, w: Tensor, G: Tensor, transformed: bool) -> Any | None:
+        """A batched fused backend for a level-0 or 1-D parameter, or None.
+
+        With no transform, no limiter and alpha = 1, the step is the plain
+        family's, which a family may run for all such parameters at once
+        (GWT-AdamW: ``torch._fused_adamw_`` on CPU, its Triton kernels on
+        CUDA) instead of a dozen eager operations per parameter. Sharded
+        parameters keep the eager path (it checks finiteness across ranks).
+        """
+        if (
+            self._impl != "fast"
+            or w.ndim == 0
+            or _is_dtensor(p)
+            or self._limiter_enabled(group, transformed)
+            or (transformed and group["scale"] != 1)
+        ):
+            return None
+        fused = self._fused_kernel(group, w, G, 0)
+        return fused if fused is not None and getattr(fused, "batched", False) else None
 
     def _check_sharding(self, p: Tensor) -> None:
         from torch.distributed.tensor import Shard
@@ -432,17 +738,21 @@ class GWTOptimizer(Optimizer):
             return 1.0
         gamma = ps.group["norm_growth_limit"]
         s = ps.state["limiter_norm"]
+        # No norm recorded yet (the first step, or only skipped non-finite
+        # ones so far): record this one rather than limit against zero.
         if not isinstance(ps.norm_sq, Tensor):
             # A float from a fused CPU kernel: scalar math, no tiny tensor ops.
             norm = math.sqrt(ps.norm_sq)
-            r_ = 1.0 if ps.step == 1 else max(norm / (s.item() + _LIMITER_EPS), gamma) / gamma
+            s_ = s.item()
+            r_ = 1.0 if ps.step == 1 or not s_ > 0 else max(norm / (s_ + _LIMITER_EPS), gamma) / gamma
             s.fill_(norm / r_)
             return r_
         norm = ps.norm_sq.sqrt()
         if ps.step == 1:
             r = torch.ones((), dtype=norm.dtype, device=norm.device)
         else:
-            r = torch.clamp(norm / (s + _LIMITER_EPS), min=gamma) / gamma
+            limited = torch.clamp(norm / (s + _LIMITER_EPS), min=gamma) / gamma
+            r = torch.where(s > 0, limited, torch.ones_like(limited))
         s.copy_(norm / r)
         return r
 
@@ -454,7 +764,7 @@ class GWTOptimizer(Optimizer):
         lr = group["lr"]
         lr = lr.item() if isinstance(lr, Tensor) else lr
         if ps.fused is not None:
-            step_size = lr * self._step_factor(group, state, step)
+            step_size = lr * self._step_factor(ps)
             ps.fused.phase2(w, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
             return
         clip = group["detail_clip"] if ps.transformed else None
@@ -466,10 +776,10 @@ class GWTOptimizer(Optimizer):
                 delta = ps.U * coef
             else:
                 delta = _haar_delta(ps.grad, ps.A, ps.U, ps.den, coef, ps.level, clip)
-        delta = self._postprocess(group, state, delta, ps.transformed)
+        delta = self._postprocess(ps, delta)
 
         wd = group["weight_decay"]
-        step_size = lr * self._step_factor(group, state, step)
+        step_size = lr * self._step_factor(ps)
         if w.dtype == delta.dtype:
             if wd != 0:
                 w.mul_(1 - lr * wd)
@@ -481,6 +791,35 @@ class GWTOptimizer(Optimizer):
                 w32.mul_(1 - lr * wd)
             w32.add_(delta, alpha=-step_size)
             w.copy_(w32)
+
+
+def _is_real(x: Any) -> bool:
+    # numbers.Real takes NumPy scalars; bool is an int but never a rate.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
+    """The shape of A_l for a parameter of ``shape`` (the transform runs along the last axis)."""
+    if level == 0 or not shape:
+        return shape
+    n = shape[-1]
+    if wavelet == wavelets.HAAR:
+        k = wavelets.approx_length(n, level)
+    else:  # longer filters add boundary coefficients: ask the transform itself
+        k = wavelets.wavedec(torch.zeros(1, n), level, wavelet, dim=-1).approx.shape[-1]
+    return (*shape[:-1], k)
+
+
+# A group key only one family has, to name the family of an untagged
+# (pre-tag) GWT state dict; GWT-AdamW's keys are all shared.
+_FAMILY_GROUP_KEYS = {"GWTAdamMini": "block", "GWTMuon": "use_muon", "GWTAdafactor": "beta2_decay", "GWTAdamW": None}
+
+
+def _guess_family(keys: set[str]) -> str | None:
+    for name, key in _FAMILY_GROUP_KEYS.items():
+        if key is not None and key in keys:
+            return name
+    return "GWTAdamW" if "betas" in keys else None
 
 
 def _distribute_state(p: Tensor, local_param: Tensor, state: dict) -> None:

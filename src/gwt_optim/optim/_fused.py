@@ -48,6 +48,13 @@ reference path:
 
 Parameters that no backend takes (other dtypes, non-contiguous tensors,
 :math:`n \bmod 2^l \ne 0` for Inductor) take the generic fast path.
+
+Every backend follows :class:`FusedBackend`. Kernels index the moments by the
+parameter's shape, so the optimizer checks each parameter's state with
+:func:`check_state` before any backend sees it. A gradient holding a NaN or an
+infinity leaves that parameter's weight and state unchanged (its step count
+still advances), on every path: the native kernels find it in a first pass
+over the gradient, before they change anything.
 """
 
 from __future__ import annotations
@@ -58,22 +65,122 @@ import hashlib
 import math
 import os
 import platform
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["BACKENDS", "KernelUnavailable", "AdamWHaarKernels", "check_compile_option", "native_library"]
+from gwt_optim import wavelets
+
+__all__ = [
+    "BACKENDS",
+    "FusedBackend",
+    "KernelUnavailable",
+    "AdamWHaarKernels",
+    "check_compile_option",
+    "check_state",
+    "native_library",
+    "state_problem",
+]
 
 
 class KernelUnavailable(RuntimeError):
     """A fused backend cannot run here (no compiler, no Triton, ...)."""
+
+
+class FusedBackend(Protocol):
+    """A fused kernel backend for the transformed Haar GWT-AdamW step.
+
+    :meth:`GWTOptimizer._fused_kernel <gwt_optim.optim._base.GWTOptimizer._fused_kernel>`
+    returns one for a parameter it takes. The optimizer has checked the state
+    with :func:`check_state` before calling any method with it.
+    """
+
+    name: str
+    #: True: the optimizer hands whole steps to :meth:`step_many` (for every
+    #: parameter that needs no collective); the phases serve the rest.
+    batched: bool
+
+    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
+        """Whether this backend takes this parameter (device, dtypes, layout)."""
+        ...
+
+    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
+        """Build or compile what this parameter needs, before any state changes."""
+        ...
+
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int) -> tuple[float | Tensor, Any]:
+        """Update the moments; return the limiter's squared norm and a carry.
+        Only called with a finite gradient (the optimizer checks it first)."""
+        ...
+
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, scale: float, decay: float) -> None:
+        """``w <- w * decay - scale / r * delta``, right after phase 1 or later."""
+        ...
+
+    def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | Tensor:
+        """Whole steps (phase 1, limiter, phase 2) of ``(ParamStep, scale,
+        decay)`` items; only called when :attr:`batched`. A parameter whose
+        gradient is not finite keeps its weight, moments and ``limiter_norm``.
+        Returns the ParamSteps so skipped (CPU), or a 0-dim integer tensor
+        counting them on the device, so that counting needs no host sync."""
+        ...
+
+
+def state_problem(param: Tensor, grad: Tensor, state: dict, level: int, moment_dtype: torch.dtype) -> str | None:
+    """What makes ``state`` unfit for a fused level-``level`` GWT-AdamW step
+    of ``param``, or None. The kernels read and write the moments through raw
+    pointers sized by the parameter, so anything else is out of bounds."""
+    shape = tuple(param.shape)
+    if tuple(grad.shape) != shape:
+        return f"its gradient has shape {tuple(grad.shape)}, the parameter {shape}"
+    if grad.device != param.device:
+        return f"its gradient is on {grad.device}, the parameter on {param.device}"
+    if not (param.is_contiguous() and grad.is_contiguous()):
+        return "the fused kernels need a contiguous parameter and gradient"
+    if not 0 <= level <= 16:  # level 0: plain AdamW (FusedAdamWBackend, Triton)
+        return f"level {level} is outside the fused kernels' 0..16"
+    expected = (*shape[:-1], wavelets.approx_length(shape[-1], level)) if shape else ()
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state.get(key)
+        if not isinstance(t, Tensor):
+            return f"its state has no tensor {key!r} (keys: {sorted(state)})"
+        if tuple(t.shape) != expected:
+            return (
+                f"state {key!r} has shape {tuple(t.shape)}, but a level-{level} step of a parameter of "
+                f"shape {shape} needs {expected}: the state belongs to another parameter or level"
+            )
+        if t.dtype != moment_dtype:
+            return (
+                f"state {key!r} is {t.dtype} but the group's moments are {moment_dtype}; set the group's "
+                "moment_dtype to match the checkpoint, or pass compile=False"
+            )
+        if t.device != param.device:
+            return f"state {key!r} is on {t.device}, the parameter on {param.device}"
+        if not t.is_contiguous():
+            return f"state {key!r} is not contiguous"
+    s = state.get("limiter_norm")
+    if s is not None and not (isinstance(s, Tensor) and s.numel() == 1):
+        return f"state 'limiter_norm' must be a one-element tensor, got {s!r}"
+    return None
+
+
+def check_state(
+    param: Tensor, grad: Tensor, state: dict, level: int, moment_dtype: torch.dtype, name: str = "a parameter"
+) -> None:
+    """Raise ``ValueError`` naming ``name`` unless the fused kernels may take
+    this state (see :func:`state_problem`)."""
+    problem = state_problem(param, grad, state, level, moment_dtype)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
 
 
 # --------------------------------------------------------------- native --- #
@@ -112,6 +219,7 @@ class _Task(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("level", ctypes.c_int32),
         ("first", ctypes.c_int32),
+        ("skipped", ctypes.c_int32),
         ("gamma", ctypes.c_double),
         ("limiter_eps", ctypes.c_double),
         ("s", ctypes.c_double),
@@ -152,42 +260,116 @@ def _host_fingerprint(cc: str) -> str:
     return version + cpu
 
 
-@functools.lru_cache(maxsize=None)
-def native_library() -> ctypes.CDLL:
-    """Build (once per host and source version) and load the fused CPU kernels.
+def _unsafe_reason(directory: Path) -> str | None:
+    """Why libraries in ``directory`` could be someone else's, or None.
 
-    Raises :class:`KernelUnavailable` with the compiler's message when no flag
-    set compiles.
+    Loading a library runs its code, so it must come from a directory only
+    this user can write to.
     """
-    cc = _compiler()
-    source = _SOURCE.read_text()
-    key = hashlib.sha256((source + _host_fingerprint(cc) + repr(_FLAG_SETS + (_COMMON_FLAGS,))).encode()).hexdigest()[:20]
+    if not hasattr(os, "getuid"):
+        return None  # no POSIX ownership (Windows): the user's profile directory
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o022:
+        return f"other users can write to it (mode {oct(stat.S_IMODE(st.st_mode))})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _private_dir() -> Path:
+    """A fresh directory only this process's user can use (mode 0700)."""
+    import atexit
+
+    directory = Path(tempfile.mkdtemp(prefix="gwt_optim-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def _kernel_dir() -> Path:
+    """:func:`cache_dir` when it is this user's alone, else a private temporary directory."""
     directory = cache_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        reason = _unsafe_reason(directory)
+        if reason is not None and "GWT_OPTIM_CACHE" not in os.environ:
+            st = directory.stat()
+            if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode):
+                # Our own default cache, created group-writable under a umask of 002.
+                os.chmod(directory, 0o700)
+                reason = _unsafe_reason(directory)
+    except OSError as exc:
+        reason = f"it cannot be used: {exc}"
+    if reason is None:
+        return directory
+    private = _private_dir()
+    warnings.warn(
+        f"GWT: not caching the fused CPU kernels in {directory} ({reason}); building them in {private} "
+        "for this process only. Set $GWT_OPTIM_CACHE to a directory only you can write to",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return private
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _library_path(directory: Path, name: str, digest: str) -> Path:
+    # Named by content, so that a concurrent build never replaces the file a
+    # digest names with another build (compilers need not be deterministic).
+    return directory / f"{name}-{digest[:16]}.so"
+
+
+def _cached_library(directory: Path, name: str) -> Path | None:
+    """The library the digest file ``name.sha256`` names, if its bytes still hash to it."""
+    try:
+        digest = (directory / f"{name}.sha256").read_text().strip()
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            return None
+        path = _library_path(directory, name, digest)
+        # Checked before dlopen: a truncated library would SIGBUS the process
+        # when it maps the missing pages, and a garbage one would never load.
+        return path if _sha256(path) == digest else None
     except OSError:
-        directory = Path(tempfile.gettempdir()) / "gwt_optim"
-        directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"adamw_haar_{key}.so"
-    if not target.exists():
-        errors = []
-        for flags in _FLAG_SETS:
-            # Build under a private name and rename: concurrent processes
-            # (pytest -n, torchrun) may build the same library at once.
-            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
-            os.close(fd)
-            proc = subprocess.run([cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True)
-            if proc.returncode == 0:
-                os.replace(tmp, target)
-                break
+        return None
+
+
+def _build_library(cc: str, directory: Path, name: str) -> Path:
+    """Compile ``_fused_cpu.c``, then publish it and its digest atomically."""
+    errors = []
+    for flags in _FLAG_SETS:
+        # Build under a private name and rename: concurrent processes
+        # (pytest -n, torchrun) may build the same library at once.
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
+        os.close(fd)
+        proc = subprocess.run([cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
             os.unlink(tmp)
             errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-        else:
-            raise KernelUnavailable(
-                f"building the fused CPU kernels with {cc} failed; pass compile=False to use the eager path. "
-                + "\n".join(errors)
-            )
-    lib = ctypes.CDLL(str(target))
+            continue
+        digest = _sha256(Path(tmp))
+        path = _library_path(directory, name, digest)
+        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".sha256")
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, directory / f"{name}.sha256")
+        return path
+    raise KernelUnavailable(
+        f"building the fused CPU kernels with {cc} failed; pass compile=False to use the eager path. "
+        + "\n".join(errors)
+    )
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in _DTYPE_SUFFIX.values():
         p1 = getattr(lib, f"gwt_adamw_haar_phase1_{name}")
         p1.restype = ctypes.c_double
@@ -199,6 +381,37 @@ def native_library() -> ctypes.CDLL:
         steps.restype = None
         steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def native_library() -> ctypes.CDLL:
+    """Build (once per host and source version) and load the fused CPU kernels.
+
+    The library is cached in :func:`cache_dir` (or, when another user could
+    write there, in a private temporary directory) beside its SHA-256, which
+    is checked before every load; a mismatch or a failed load rebuilds it
+    once. Raises :class:`KernelUnavailable` with the compiler's message when
+    no flag set compiles.
+    """
+    cc = _compiler()
+    source = _SOURCE.read_text()
+    key = hashlib.sha256((source + _host_fingerprint(cc) + repr(_FLAG_SETS + (_COMMON_FLAGS,))).encode()).hexdigest()[:20]
+    directory = _kernel_dir()
+    name = f"adamw_haar_{key}"
+    path = _cached_library(directory, name)
+    for attempt in range(2):
+        if path is None:
+            path = _build_library(cc, directory, name)
+        try:
+            return _bind(ctypes.CDLL(str(path)))
+        except (OSError, AttributeError) as exc:
+            if attempt:
+                raise KernelUnavailable(
+                    f"loading the fused CPU kernels from {path} failed after a rebuild ({exc}); "
+                    "pass compile=False to use the eager path"
+                ) from exc
+            path = None
+    raise AssertionError("unreachable")
 
 
 # An OpenMP region costs a few microseconds; below this many entries per
@@ -267,13 +480,15 @@ class NativeBackend:
     def _threads(numel: int, rows: int) -> int:
         return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
 
-    def step_many(self, steps: list, limiter_eps: float) -> None:
-        """Whole steps (phase 1, limiter, phase 2) of many parameters.
+    def step_many(self, steps: list, limiter_eps: float) -> list:
+        """Whole steps (phase 1, limiter, phase 2) of many parameters; returns
+        those skipped for a non-finite gradient (weight and state unchanged).
 
         ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._base.ParamStep`
         of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
         ``decay`` = 1 - lr * weight_decay.
         """
+        skipped = []
         by_dtype: dict[torch.dtype, list] = {}
         for item in steps:
             by_dtype.setdefault(item[0].param.dtype, []).append(item)
@@ -290,10 +505,12 @@ class NativeBackend:
                 n = G.shape[-1]
                 task.w, task.g, task.m, task.v = ps.param.data_ptr(), G.data_ptr(), M.data_ptr(), V.data_ptr()
                 task.rows, task.n = (G.numel() // n if n else 0), n
-                task.level, task.first = ps.level, ps.step == 1
                 task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
                 task.limiter_eps = limiter_eps
                 task.s = state["limiter_norm"].item() if ps.limited else 0.0
+                # As _base.GWTOptimizer._limit: no norm recorded yet (a first
+                # step, or only skipped non-finite ones) starts the limiter.
+                task.level, task.first = ps.level, ps.step == 1 or not task.s > 0
                 task.hyper = _Hyper(
                     h=2.0 ** (-ps.level / 2),
                     w1=1.0 - beta1,
@@ -315,8 +532,11 @@ class NativeBackend:
                 buf = self._batch_workspace[dtype] = torch.empty(needed, dtype=dtype)
             self._steps[dtype](tasks, len(items), buf.data_ptr(), stride, threads, int(across), _MIN_ENTRIES_PER_THREAD)
             for task, (ps, _, _) in zip(tasks, items):
-                if ps.limited:
+                if task.skipped:
+                    skipped.append(ps)
+                elif ps.limited:
                     ps.state["limiter_norm"].fill_(task.s)
+        return skipped
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
@@ -407,6 +627,7 @@ class InductorBackend:
     """The two phases compiled by ``torch.compile`` (Triton on CUDA, C++ on CPU)."""
 
     name = "inductor"
+    batched = False
 
     def __init__(self) -> None:
         self._phase1, self._phase2 = _compiled_phases()
@@ -480,11 +701,86 @@ class InductorBackend:
         )
 
 
+# ---------------------------------------------------------------- plain --- #
+
+
+class FusedAdamWBackend:
+    """Level-0 and 1-D parameters of a GWT-AdamW group on CPU: that is plain
+    AdamW, so ``torch._fused_adamw_`` steps all of them in one call per set of
+    hyperparameters instead of about fifteen eager operations each.
+
+    A parameter whose gradient has a NaN or an Inf is left out of the call
+    (its weight and moments keep their values): on CPU that check costs no
+    synchronization.
+    """
+
+    name = "fused_adamw"
+    batched = True
+    detail_clip = True  # level 0 has no details: the clip changes nothing
+
+    @staticmethod
+    def supports(w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
+        # torch's CPU kernel takes one dtype for weights, gradients and moments.
+        return (
+            level == 0
+            and w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+            and G.dtype == w.dtype
+            and moment_dtype == w.dtype
+        )
+
+    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
+        """Nothing to build: the kernel ships with torch."""
+
+    def step_many(self, steps: list, limiter_eps: float) -> list:
+        """One ``torch._fused_adamw_`` call per set of hyperparameters; returns
+        the ParamSteps skipped for a non-finite gradient."""
+        skipped = []
+        calls: dict[tuple, list] = {}
+        for ps, _, _ in steps:
+            g = ps.group
+            lr = g["lr"].item() if isinstance(g["lr"], Tensor) else g["lr"]
+            key = (ps.param.dtype, lr, *g["betas"], g["eps"], g["weight_decay"])
+            calls.setdefault(key, []).append(ps)
+        for (_, lr, beta1, beta2, eps, wd), items in calls.items():
+            finite = torch.stack(torch._foreach_norm([ps.grad for ps in items], math.inf)).isfinite().tolist()
+            if not all(finite):
+                skipped += [ps for ps, ok in zip(items, finite) if not ok]
+                items = [ps for ps, ok in zip(items, finite) if ok]
+                if not items:
+                    continue
+            torch._fused_adamw_(
+                [ps.param for ps in items],
+                [ps.grad for ps in items],
+                [ps.state["exp_avg"] for ps in items],
+                [ps.state["exp_avg_sq"] for ps in items],
+                [],
+                # The optimizer has advanced the step counts (CPU float32
+                # tensors, as fused AdamW keeps them on CPU) before this call.
+                [ps.state["step"] for ps in items],
+                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+            )
+        return skipped
+
+
 # --------------------------------------------------------------- choice --- #
 
-BACKENDS: dict[str, Callable[[], Any]] = {"native": NativeBackend, "inductor": InductorBackend}
-# The backend compile=None/True picks per device type.
-_AUTO = {"cpu": "native", "cuda": "inductor"}
+
+def _triton_backend() -> Any:
+    try:
+        from gwt_optim.optim import _triton
+    except ImportError as exc:
+        raise KernelUnavailable(f"Triton is not installed ({exc}); pip install triton") from exc
+    return _triton.TritonBackend()
+
+
+BACKENDS: dict[str, Callable[[], Any]] = {
+    "native": NativeBackend,
+    "inductor": InductorBackend,
+    "triton": _triton_backend,
+}
+# The backends compile=None/True tries per device type, in order.
+_AUTO = {"cpu": ("native",), "cuda": ("triton", "inductor")}
 
 
 def check_compile_option(compile: bool | str | None) -> None:
@@ -498,14 +794,18 @@ class AdamWHaarKernels:
     """Picks and builds the backend for each parameter, per ``compile``:
 
     ``None`` (auto)
-        the device's backend (native on CPU, Inductor on CUDA) when it can be
-        built; otherwise one warning and the generic eager path.
+        the device's backend (native on CPU; on CUDA Triton, else Inductor)
+        when it can be built; otherwise one warning and the generic eager path.
     ``True``
-        the same, but failing to build raises.
+        the same, but failing to build the device's last choice raises.
     ``False``
         never (always the generic path).
-    ``"native"`` / ``"inductor"``
+    ``"native"`` / ``"inductor"`` / ``"triton"``
         that backend on every device it supports; failing to build raises.
+
+    Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
+    ``torch._fused_adamw_`` on CPU and the Triton kernels on CUDA, unless
+    ``compile`` is ``False`` (or names a backend without a level-0 step).
     """
 
     def __init__(self, compile: bool | str | None) -> None:
@@ -513,48 +813,68 @@ class AdamWHaarKernels:
         self.compile = compile
         self._backends: dict[str, Any] = {}
         self._failed: set[str] = set()
+        self._plain_cpu = FusedAdamWBackend()
 
-    def _backend(self, name: str) -> Any | None:
+    def _backend(self, name: str, last: bool = True) -> Any | None:
         if name in self._backends:
             return self._backends[name]
         if name in self._failed:
             return None
         try:
             backend = BACKENDS[name]()
-        except Exception as exc:  # a missing compiler, a failed build, no torch.compile
-            if self.compile is not None:
+        except Exception as exc:  # a missing compiler, a failed build, no torch.compile, no triton
+            if self.compile is not None and last:
                 raise
-            warnings.warn(
-                f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            if last:
+                warnings.warn(
+                    f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
             self._failed.add(name)
             return None
         self._backends[name] = backend
         return backend
 
+    def _candidates(self, device_type: str) -> tuple[str, ...]:
+        if isinstance(self.compile, str):
+            return (self.compile,)
+        return _AUTO.get(device_type, ())
+
     def select(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> Any | None:
         """The backend for this parameter, or None for the generic path."""
-        if self.compile is False or level == 0:
+        if self.compile is False:
             return None
-        name = self.compile if isinstance(self.compile, str) else _AUTO.get(w.device.type)
-        if name is None:
-            return None
-        backend = self._backend(name)
+        if level == 0:
+            if w.device.type == "cpu" and self.compile != "triton":
+                return self._plain_cpu if self._plain_cpu.supports(w, G, moment_dtype, 0) else None
+            if self.compile not in (None, True, "triton"):
+                return None
+            return self._ready("triton", w, G, moment_dtype, 0, last=False)
+        names = self._candidates(w.device.type)
+        for i, name in enumerate(names):
+            backend = self._ready(name, w, G, moment_dtype, level, last=i == len(names) - 1)
+            if backend is not None:
+                return backend
+        return None
+
+    def _ready(self, name: str, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int, last: bool) -> Any | None:
+        """The backend ``name``, built and compiled for this parameter, or None."""
+        backend = self._backend(name, last)
         if backend is None or not backend.supports(w, G, moment_dtype, level):
             return None
         try:
             backend.prepare(w, G, moment_dtype, level)
         except Exception as exc:  # e.g. Inductor cannot find a compiler or Triton fails
-            if self.compile is not None:
+            if self.compile is not None and last:
                 raise KernelUnavailable(
                     f"compiling the fused '{name}' kernels failed: {exc}; pass compile=False to use the eager path"
                 ) from exc
             warnings.warn(
-                f"GWT-AdamW: compiling the fused '{name}' kernels failed ({exc}); using the eager path",
+                f"GWT-AdamW: compiling the fused '{name}' kernels failed ({exc}); using "
+                + ("the eager path" if last else "the next backend"),
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             self._failed.add(name)
             self._backends.pop(name, None)

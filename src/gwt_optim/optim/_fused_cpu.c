@@ -6,7 +6,8 @@
  * of n entries cut into blocks of B = 2^level columns (the last block
  * zero-padded), with h = 2^(-level/2):
  *
- *   phase 1  A_k = h * sum(block_k)
+ *   phase 1  A_k = h * sum(block_k), for every row first: a gradient with a
+ *            NaN or an infinity leaves M and V untouched (returns NaN)
  *            M = lerp(M, A, 1 - beta1), V = beta2 V + (1 - beta2) A^2
  *            d_k = 1 / den_k, den = sqrt(V) + eps2   (d_k = 0 where den_k = 0)
  *            t_k = h (M_k - A_k) d_k
@@ -57,7 +58,8 @@ typedef struct {
     void *m, *v;        /* (rows, ceil(n / 2^level)) moments */
     int64_t rows, n;
     int32_t level;
-    int32_t first;      /* the first step: the limiter only records the norm */
+    int32_t first;      /* the limiter only records the norm (first step, or s = 0) */
+    int32_t skipped;    /* out: the gradient was not finite, nothing was changed */
     double gamma;       /* the limiter's growth limit; 0 = no limiter */
     double limiter_eps; /* keeps norm / s finite at s = 0 */
     double s;           /* the limiter's last norm: read, then updated */
@@ -81,11 +83,10 @@ static double limiter_ratio(gwt_task *task, double norm_sq) {
 
 /* Hand-vectorized float kernels for small blocks on AVX2. Phase 1 (blocks of
  * 2, 4 and 8): the block sums are horizontal adds, which compilers do not find
- * on their own, and the moment update runs in the same loop. Each returns how
- * many leading full blocks it did (a multiple of 8) and adds their squared
- * norm to *acc; the portable loop does the rest. NO_SIMD (NO_SIMD2 for phase
- * 2) does nothing. */
-#define NO_SIMD(g, m, v, d, t, full, hp, acc) 0
+ * on their own. Each returns how many leading full blocks it did (a multiple
+ * of 8); the portable loop does the rest. NO_SIMD (NO_SIMD2 for phase 2) does
+ * nothing. */
+#define NO_SIMD(g, a, full, h) 0
 #define NO_SIMD2(w, g, d, t, full, sc, decay) 0
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -116,48 +117,18 @@ static inline __m256 block_sums_8(const float *g) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-#define DEFINE_PHASE1_AVX2(B)                                                       \
-    static int64_t phase1_avx2_##B(const float *restrict g, float *restrict m,     \
-                                   float *restrict v, float *restrict d,           \
-                                   float *restrict t, int64_t full,                \
-                                   const gwt_hyper *hp, double *acc_out) {         \
-        const __m256 h = _mm256_set1_ps((float)hp->h);                             \
-        const __m256 w1 = _mm256_set1_ps((float)hp->w1);                           \
-        const __m256 w1c = _mm256_set1_ps((float)(1.0 - hp->w1));                  \
-        const __m256 b2 = _mm256_set1_ps((float)hp->beta2);                        \
-        const __m256 w2 = _mm256_set1_ps((float)(1.0 - hp->beta2));                \
-        const __m256 eps2 = _mm256_set1_ps((float)hp->eps2);                       \
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();       \
-        const int lerp_low = hp->w1 < 0.5;                                         \
-        __m256 acc = zero;                                                         \
+#define DEFINE_SUMS_AVX2(B)                                                         \
+    static int64_t sums_avx2_##B(const float *restrict g, float *restrict a,       \
+                                 int64_t full, float h) {                          \
+        const __m256 hv = _mm256_set1_ps(h);                                       \
         int64_t k = 0;                                                             \
-        for (; k + 8 <= full; k += 8) {                                            \
-            const __m256 a = _mm256_mul_ps(block_sums_##B(g + k * (B)), h);        \
-            const __m256 m0 = _mm256_loadu_ps(m + k);                              \
-            const __m256 diff = _mm256_sub_ps(a, m0);                              \
-            const __m256 mk = lerp_low ? _mm256_fmadd_ps(w1, diff, m0)             \
-                                       : _mm256_fnmadd_ps(diff, w1c, a);           \
-            const __m256 vk = _mm256_fmadd_ps(_mm256_mul_ps(w2, a), a,             \
-                                              _mm256_mul_ps(_mm256_loadu_ps(v + k), b2)); \
-            _mm256_storeu_ps(m + k, mk);                                           \
-            _mm256_storeu_ps(v + k, vk);                                           \
-            const __m256 den = _mm256_add_ps(_mm256_sqrt_ps(vk), eps2);            \
-            const __m256 pos = _mm256_cmp_ps(den, zero, _CMP_GT_OQ);               \
-            const __m256 inv = _mm256_and_ps(                                      \
-                _mm256_div_ps(one, _mm256_blendv_ps(one, den, pos)), pos);         \
-            _mm256_storeu_ps(d + k, inv);                                          \
-            _mm256_storeu_ps(t + k, _mm256_mul_ps(_mm256_mul_ps(h, _mm256_sub_ps(mk, a)), inv)); \
-            const __m256 u = _mm256_mul_ps(mk, inv);                               \
-            acc = _mm256_fmadd_ps(u, u, acc);                                      \
-        }                                                                          \
-        float lanes[8];                                                            \
-        _mm256_storeu_ps(lanes, acc);                                              \
-        for (int i = 0; i < 8; ++i) *acc_out += lanes[i];                          \
+        for (; k + 8 <= full; k += 8)                                              \
+            _mm256_storeu_ps(a + k, _mm256_mul_ps(block_sums_##B(g + k * (B)), hv)); \
         return k;                                                                  \
     }
-DEFINE_PHASE1_AVX2(2)
-DEFINE_PHASE1_AVX2(4)
-DEFINE_PHASE1_AVX2(8)
+DEFINE_SUMS_AVX2(2)
+DEFINE_SUMS_AVX2(4)
+DEFINE_SUMS_AVX2(8)
 
 /* Phase 2 for float blocks of 2 and 4 on AVX2: the per-block factors of 8
  * blocks are spread over the entries by lane permutations, with no
@@ -203,9 +174,9 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
     }
     return k;
 }
-#define SIMD_FLOAT_2 phase1_avx2_2
-#define SIMD_FLOAT_4 phase1_avx2_4
-#define SIMD_FLOAT_8 phase1_avx2_8
+#define SIMD_FLOAT_2 sums_avx2_2
+#define SIMD_FLOAT_4 sums_avx2_4
+#define SIMD_FLOAT_8 sums_avx2_8
 #define SIMD2_FLOAT_2 phase2_avx2_2
 #define SIMD2_FLOAT_4 phase2_avx2_4
 #else
@@ -216,54 +187,61 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
 #define SIMD2_FLOAT_4 NO_SIMD2
 #endif
 
-/* Phase 1 on one row of nblocks blocks of B entries, the last one `tail`
- * entries long when tail > 0 (then it is counted in nblocks). */
-#define DEFINE_PHASE1_ROW(T, NAME, B, BARG, SIMD)                                   \
-    static double phase1_row_##NAME(const T *restrict g, T *restrict m,            \
-                                    T *restrict v, T *restrict d, T *restrict t,   \
-                                    int64_t nblocks, int64_t tail, int64_t BARG,   \
+/* Phase 1, first pass, on one row of nblocks blocks of B entries, the last
+ * one `tail` entries long when tail > 0 (then it is counted in nblocks):
+ * a_k = h * sum(block_k). Returns nonzero when the row holds a NaN or an
+ * infinity, checked on the entries themselves (x * 0 is 0 only for finite x)
+ * while the row is still in cache. */
+#define DEFINE_SUMS_ROW(T, NAME, B, BARG, SIMD)                                     \
+    static int sums_row_##NAME(const T *restrict g, T *restrict a,                 \
+                               int64_t nblocks, int64_t tail, int64_t BARG, T h) { \
+        const int64_t full = tail ? nblocks - 1 : nblocks;                         \
+        int64_t k = SIMD(g, a, full, h);                                           \
+        for (; k < full; ++k) {                                                    \
+            T s = 0;                                                               \
+            for (int64_t j = 0; j < (B); ++j) s += g[k * (B) + j];                 \
+            a[k] = s * h;                                                          \
+        }                                                                          \
+        if (tail) { /* the zero-padded last block */                               \
+            T s = 0;                                                               \
+            for (int64_t j = 0; j < tail; ++j) s += g[full * (B) + j];             \
+            a[full] = s * h;                                                       \
+        }                                                                          \
+        const int64_t n = full * (B) + tail;                                       \
+        T z = 0;                                                                   \
+        _Pragma("omp simd reduction(+:z)")                                         \
+        for (int64_t i = 0; i < n; ++i) z += g[i] * (T)0;                          \
+        return z != z;                                                             \
+    }
+
+/* Phase 1, second pass, on one row: the moments from the block sums, which t
+ * holds on entry and t_k = h (M_k - A_k) d_k replaces. Returns the row's
+ * sum of (M_k d_k)^2. */
+#define DEFINE_UPDATE_ROW(T, NAME)                                                  \
+    static double update_row_##NAME(T *restrict m, T *restrict v, T *restrict d,   \
+                                    T *restrict t, int64_t nb,                     \
                                     const gwt_hyper *hp) {                         \
         const T h = (T)hp->h, w1 = (T)hp->w1, w1c = (T)(1.0 - hp->w1);             \
         const T b2 = (T)hp->beta2, w2 = (T)(1.0 - hp->beta2), eps2 = (T)hp->eps2;  \
         /* torch's lerp switches formula at weight 0.5; so does this */            \
         const int lerp_low = hp->w1 < 0.5;                                         \
-        const int64_t full = tail ? nblocks - 1 : nblocks;                         \
-        double acc_simd = 0;                                                       \
-        const int64_t start = SIMD(g, m, v, d, t, full, hp, &acc_simd);            \
-        T a[CHUNK];                                                                \
         T acc = 0;                                                                 \
-        for (int64_t k0 = start; k0 < nblocks; k0 += CHUNK) {                      \
-            const int64_t nk = MIN(CHUNK, nblocks - k0);                           \
-            const int64_t nfull = MIN(nk, full - k0);                              \
-            const T *gc = g + k0 * (B);                                            \
-            for (int64_t k = 0; k < nfull; ++k) {                                  \
-                T s = 0;                                                           \
-                for (int64_t j = 0; j < (B); ++j) s += gc[k * (B) + j];            \
-                a[k] = s * h;                                                      \
-            }                                                                      \
-            if (nfull < nk) { /* the zero-padded last block */                     \
-                T s = 0;                                                           \
-                for (int64_t j = 0; j < tail; ++j) s += gc[nfull * (B) + j];       \
-                a[nfull] = s * h;                                                  \
-            }                                                                      \
-            T *mc = m + k0, *vc = v + k0, *dc = d + k0, *tc = t + k0;              \
-            _Pragma("omp simd reduction(+:acc)")                                   \
-            for (int64_t k = 0; k < nk; ++k) {                                     \
-                const T ak = a[k];                                                 \
-                const T mk = lerp_low ? mc[k] + w1 * (ak - mc[k])                  \
-                                      : ak - (ak - mc[k]) * w1c;                   \
-                const T vk = vc[k] * b2 + w2 * ak * ak;                            \
-                mc[k] = mk;                                                        \
-                vc[k] = vk;                                                        \
-                const T den = sqrt(vk) + eps2;                                     \
-                T inv = (T)1 / (den > 0 ? den : (T)1);                             \
-                inv = den > 0 ? inv : (T)0;                                        \
-                dc[k] = inv;                                                       \
-                tc[k] = h * (mk - ak) * inv;                                       \
-                acc += (mk * inv) * (mk * inv);                                    \
-            }                                                                      \
+        _Pragma("omp simd reduction(+:acc)")                                       \
+        for (int64_t k = 0; k < nb; ++k) {                                         \
+            const T ak = t[k];                                                     \
+            const T mk = lerp_low ? m[k] + w1 * (ak - m[k])                        \
+                                  : ak - (ak - m[k]) * w1c;                        \
+            const T vk = v[k] * b2 + w2 * ak * ak;                                 \
+            m[k] = mk;                                                             \
+            v[k] = vk;                                                             \
+            const T den = sqrt(vk) + eps2;                                         \
+            T inv = (T)1 / (den > 0 ? den : (T)1);                                 \
+            inv = den > 0 ? inv : (T)0;                                            \
+            d[k] = inv;                                                            \
+            t[k] = h * (mk - ak) * inv;                                            \
+            acc += (mk * inv) * (mk * inv);                                        \
         }                                                                          \
-        return acc_simd + (double)acc;                                             \
+        return (double)acc;                                                        \
     }
 
 /* Phase 2 for blocks of at least 8 entries: the block is the vector. */
@@ -316,11 +294,12 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
     }
 
 #define DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)                 \
-    DEFINE_PHASE1_ROW(T, NAME##_2, 2, unused, SIMD2)                               \
-    DEFINE_PHASE1_ROW(T, NAME##_4, 4, unused, SIMD4)                               \
-    DEFINE_PHASE1_ROW(T, NAME##_8, 8, unused, SIMD8)                               \
-    DEFINE_PHASE1_ROW(T, NAME##_16, 16, unused, NO_SIMD)                           \
-    DEFINE_PHASE1_ROW(T, NAME##_any, b, b, NO_SIMD)                                \
+    DEFINE_SUMS_ROW(T, NAME##_2, 2, unused, SIMD2)                                 \
+    DEFINE_SUMS_ROW(T, NAME##_4, 4, unused, SIMD4)                                 \
+    DEFINE_SUMS_ROW(T, NAME##_8, 8, unused, SIMD8)                                 \
+    DEFINE_SUMS_ROW(T, NAME##_16, 16, unused, NO_SIMD)                             \
+    DEFINE_SUMS_ROW(T, NAME##_any, b, b, NO_SIMD)                                  \
+    DEFINE_UPDATE_ROW(T, NAME)                                                     \
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_2, 2, P2SIMD2)                              \
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_4, 4, P2SIMD4)                              \
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_8, 8, NO_SIMD2)                             \
@@ -332,21 +311,44 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
  * OpenMP threads (the OpenMP runtime torch already loaded). */
 #define DEFINE_ENTRY_POINTS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)         \
     DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)                    \
+    /* Sets *bad, and changes nothing, when the gradient is not finite: the    \
+     * block sums of every row come first, the moments after. */               \
+    static double phase1_##NAME(const T *g, T *m, T *v, T *d, T *t,               \
+                                int64_t rows, int64_t n, int level,               \
+                                const gwt_hyper *hp, int nthreads, int *bad_out) { \
+        const int64_t b = (int64_t)1 << level, nb = (n + b - 1) / b, tail = n % b; \
+        int (*sums)(const T *restrict, T *restrict, int64_t, int64_t, int64_t, T) = \
+            b == 2 ? sums_row_##NAME##_2 : b == 4 ? sums_row_##NAME##_4            \
+            : b == 8 ? sums_row_##NAME##_8 : b == 16 ? sums_row_##NAME##_16        \
+            : sums_row_##NAME##_any;                                               \
+        const T h = (T)hp->h;                                                      \
+        int bad = 0;                                                               \
+        double total = 0;                                                          \
+        _Pragma("omp parallel num_threads(nthreads)")                              \
+        {                                                                          \
+            _Pragma("omp for schedule(static) reduction(|:bad)")                   \
+            for (int64_t r = 0; r < rows; ++r)                                     \
+                bad |= sums(g + r * n, t + r * nb, nb, tail, b, h);                \
+            /* every thread must see the reduced flag before branching on it */   \
+            _Pragma("omp barrier")                                                 \
+            if (!bad) {                                                            \
+                _Pragma("omp for schedule(static) reduction(+:total)")             \
+                for (int64_t r = 0; r < rows; ++r)                                 \
+                    total += update_row_##NAME(m + r * nb, v + r * nb, d + r * nb, \
+                                               t + r * nb, nb, hp);                \
+            }                                                                      \
+        }                                                                          \
+        *bad_out = bad;                                                            \
+        return total;                                                              \
+    }                                                                              \
+    /* Returns NaN, and changes nothing, when the gradient is not finite. */     \
     double gwt_adamw_haar_phase1_##NAME(const T *g, T *m, T *v, T *d, T *t,        \
                                         int64_t rows, int64_t n, int level,        \
                                         const gwt_hyper *hp, int nthreads) {       \
-        const int64_t b = (int64_t)1 << level, nb = (n + b - 1) / b, tail = n % b; \
-        double (*row)(const T *restrict, T *restrict, T *restrict, T *restrict,    \
-                      T *restrict, int64_t, int64_t, int64_t, const gwt_hyper *) = \
-            b == 2 ? phase1_row_##NAME##_2 : b == 4 ? phase1_row_##NAME##_4        \
-            : b == 8 ? phase1_row_##NAME##_8 : b == 16 ? phase1_row_##NAME##_16    \
-            : phase1_row_##NAME##_any;                                             \
-        double total = 0;                                                          \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static) reduction(+:total)") \
-        for (int64_t r = 0; r < rows; ++r)                                         \
-            total += row(g + r * n, m + r * nb, v + r * nb, d + r * nb, t + r * nb, \
-                         nb, tail, b, hp);                                         \
-        return total;                                                              \
+        int bad;                                                                   \
+        const double total = phase1_##NAME(g, m, v, d, t, rows, n, level, hp,      \
+                                           nthreads, &bad);                        \
+        return bad ? NAN : total;                                                  \
     }                                                                              \
     void gwt_adamw_haar_phase2_##NAME(T *w, const T *g, const T *d, const T *t,    \
                                       int64_t rows, int64_t n, int level,          \
@@ -372,9 +374,12 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
         const int64_t b = (int64_t)1 << task->level;                               \
         const int64_t nb = (task->n + b - 1) / b;                                  \
         T *d = ws, *t = ws + task->rows * nb;                                      \
-        const double norm_sq = gwt_adamw_haar_phase1_##NAME(                       \
+        int bad;                                                                   \
+        const double norm_sq = phase1_##NAME(                                      \
             (const T *)task->g, (T *)task->m, (T *)task->v, d, t, task->rows,      \
-            task->n, task->level, &task->hyper, nthreads);                         \
+            task->n, task->level, &task->hyper, nthreads, &bad);                   \
+        task->skipped = bad;                                                       \
+        if (bad) return; /* the weight, moments and s stay as they were */         \
         gwt_hyper hp = task->hyper;                                                \
         hp.scale /= limiter_ratio(task, norm_sq);                                  \
         gwt_adamw_haar_phase2_##NAME((T *)task->w, (const T *)task->g, d, t,       \

@@ -96,6 +96,8 @@ class GWTAdafactor(GWTOptimizer):
             default: update clipping already bounds the step.
     """
 
+    _family = "GWTAdafactor"
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -132,13 +134,6 @@ class GWTAdafactor(GWTOptimizer):
             moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
-        # The relative step needs the weight's RMS, which the base's
-        # _step_factor hook does not see; _phase2 records the weight here.
-        self._param_in_step: Tensor | None = None
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_param_in_step", None)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not g["beta2_decay"] <= 0.0:
@@ -198,21 +193,15 @@ class GWTAdafactor(GWTOptimizer):
             U = m.clone()
         return U, DETAIL_NORMS[group["detail_norm"]](rsqrt_v, clip)
 
-    def _step_factor(self, group, state, step) -> float:
+    def _step_factor(self, ps) -> float:
+        group, step = ps.group, ps.step
         lr = group["lr"]
         lr = lr.item() if isinstance(lr, Tensor) else lr
         if not group["relative_step"]:
             return 1.0
         if lr == 0:
             return 0.0
-        w = self._param_in_step
+        w = ps.param  # the weight before this step's update
         rho = min(lr, 1 / math.sqrt(step))
         # The base multiplies by lr; the relative step replaces it.
         return max(group["eps"][1], w.norm(2).item() / (w.numel() ** 0.5)) * rho / lr
-
-    def _phase2(self, ps) -> None:
-        self._param_in_step = ps.param
-        try:
-            super()._phase2(ps)
-        finally:
-            self._param_in_step = None

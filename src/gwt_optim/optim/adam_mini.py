@@ -138,6 +138,8 @@ class GWTAdamMini(GWTOptimizer):
             as :class:`~gwt_optim.optim.GWTAdamW`.
     """
 
+    _family = "GWTAdamMini"
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -170,15 +172,16 @@ class GWTAdamMini(GWTOptimizer):
             head_dim=head_dim,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
-        for group in self.param_groups:
-            if group["block"] == "head":
-                for p in group["params"]:
-                    rows = p.shape[:-1].numel() if p.ndim >= 2 else 1
-                    if rows % group["head_dim"]:
-                        raise ValueError(
-                            f"a 'head' block parameter of shape {tuple(p.shape)} has {rows} rows, not a "
-                            f"multiple of head_dim={group['head_dim']}; check n_heads/dim, or use block='neuron'"
-                        )
+
+    def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
+        super()._validate_param(p, group, where)
+        if group["block"] == "head":
+            rows = p.shape[:-1].numel() if p.ndim >= 2 else 1
+            if rows % group["head_dim"]:
+                raise ValueError(
+                    f"a 'head' block parameter ({where}) has {rows} rows, not a "
+                    f"multiple of head_dim={group['head_dim']}; check n_heads/dim, or use block='neuron'"
+                )
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         betas = g["betas"]
@@ -216,9 +219,9 @@ class GWTAdamMini(GWTOptimizer):
         U = torch.where(den > 0, m / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(m))
         return U, den
 
-    def _step_factor(self, group, state, step) -> float:
-        beta1, beta2 = group["betas"]
-        return math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    def _step_factor(self, ps) -> float:
+        beta1, beta2 = ps.group["betas"]
+        return math.sqrt(1 - beta2**ps.step) / (1 - beta1**ps.step)
 
 
 def adam_mini_param_groups(

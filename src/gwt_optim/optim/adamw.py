@@ -53,8 +53,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim import _fused
-from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim import _fused, _quant
+from gwt_optim.optim._base import GWTOptimizer, _safe_div
 
 __all__ = ["GWTAdamW"]
 
@@ -92,6 +92,9 @@ class GWTAdamW(GWTOptimizer):
             eager; ``"native"`` or ``"inductor"`` forces that backend.
     """
 
+    _family = "GWTAdamW"
+    _INT8_MOMENTS = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -103,8 +106,8 @@ class GWTAdamW(GWTOptimizer):
         wavelet: str = "haar",
         scale: float = 0.25,
         norm_growth_limit: float | None = 1.01,
-        detail_clip: float | None = None,
         *,
+        detail_clip: float | None = None,
         moment_dtype: str | None = None,
         impl: str = "fast",
         compile: bool | None = None,
@@ -129,6 +132,8 @@ class GWTAdamW(GWTOptimizer):
         self.__dict__.setdefault("_kernels", None)
 
     def _fused_kernel(self, group, w, G, level):
+        if group["moment_dtype"] == "int8":
+            return None  # the kernels read plain float moments
         if self._kernels is None:
             # Built lazily: the C compiler or torch.compile runs on the first step only.
             self._kernels = _fused.AdamWHaarKernels(self._compile)
@@ -149,10 +154,19 @@ class GWTAdamW(GWTOptimizer):
             raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
+        if group["moment_dtype"] == "int8":
+            if approx.ndim >= 2:
+                # Codes of M and of sqrt(V), with fp32 scales per block of a row (_quant).
+                state["exp_avg"], state["exp_avg_absmax"] = _quant.zeros(approx)
+                state["exp_avg_sq"], state["exp_avg_sq_absmax"] = _quant.zeros(approx)
+                return
+            moment_dtype = approx.dtype  # vectors are tiny: full-precision moments, as bitsandbytes
         state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
         state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
     def _approx_update(self, group, state, A, step, transformed):
+        if "exp_avg_absmax" in state:
+            return self._approx_update_int8(group, state, A, step)
         beta1, beta2 = group["betas"]
         M, V = state["exp_avg"], state["exp_avg_sq"]
         if M.dtype == A.dtype:
@@ -165,9 +179,40 @@ class GWTAdamW(GWTOptimizer):
             M.copy_(m)
             V.copy_(v)
         den = v.sqrt().add_(group["eps"] * math.sqrt(1 - beta2**step))
-        U = torch.where(den > 0, m / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(m))
-        return U, den
+        return _safe_div(m, den), den
 
-    def _step_factor(self, group, state, step) -> float:
+    def _approx_update_int8(self, group, state, A, step):
+        """The same update on 8-bit moments, a chunk of rows at a time.
+
+        ``exp_avg_sq`` holds codes of :math:`\sqrt V`, not of :math:`V`: the
+        details are divided by :math:`\sqrt V + \epsilon'`, and a :math:`V`
+        code that rounds to zero (below about :math:`10^{-7}` of its block's
+        maximum) would amplify them by up to :math:`1/\epsilon'`; in the root
+        that takes a :math:`10^{-14}` ratio of :math:`V`, and the map's relative
+        precision applies to den directly. The step uses the moments before
+        rounding (as torchao's 8-bit Adam), and chunks bound the temporaries
+        to a few MB whatever the parameter's size (embeddings at level 0).
+        """
         beta1, beta2 = group["betas"]
-        return math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        eps2 = group["eps"] * math.sqrt(1 - beta2**step)
+        n = A.shape[-1]
+        A2 = A.reshape(-1, n)
+        U, den = torch.empty_like(A2), torch.empty_like(A2)
+        Mq, Vq = state["exp_avg"].view(-1, n), state["exp_avg_sq"].view(-1, n)
+        Ms = state["exp_avg_absmax"].view(len(A2), -1)
+        Vs = state["exp_avg_sq_absmax"].view(len(A2), -1)
+        rows = max(1, _quant.CHUNK // max(n, 1))
+        for i in range(0, len(A2), rows):
+            rs = slice(i, i + rows)
+            a = A2[rs]
+            m = _quant.dequantize(Mq[rs], Ms[rs], signed=True, dtype=A.dtype).lerp_(a, 1 - beta1)
+            v = _quant.dequantize(Vq[rs], Vs[rs], signed=False, dtype=A.dtype).square_()
+            root = v.mul_(beta2).addcmul_(a, a, value=1 - beta2).sqrt_()
+            _quant.quantize_(m, Mq[rs], Ms[rs], signed=True)
+            _quant.quantize_(root, Vq[rs], Vs[rs], signed=False)
+            U[rs] = _safe_div(m, torch.add(root, eps2, out=den[rs]))
+        return U.view(A.shape), den.view(A.shape)
+
+    def _step_factor(self, ps) -> float:
+        beta1, beta2 = ps.group["betas"]
+        return math.sqrt(1 - beta2**ps.step) / (1 - beta1**ps.step)

@@ -135,6 +135,8 @@ class GWTMuon(GWTOptimizer):
             None); see the module docstring.
     """
 
+    _family = "GWTMuon"
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -179,29 +181,20 @@ class GWTMuon(GWTOptimizer):
             moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
-        # The lr multiplier depends on the parameter's shape, which the base's
-        # _step_factor hook does not see; _phase2 records it here per step.
-        self._shape_in_step: torch.Size | None = None
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_shape_in_step", None)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
+        super()._validate_param(p, group, where)
         if group["use_muon"]:
-            for p in group["params"]:
-                if type(p).__name__ == "DTensor":
-                    raise NotImplementedError(
-                        "GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters are not "
-                        "supported in use_muon groups. Use GWTAdamW for sharded training"
-                    )
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"Muon groups take 2-D weights, got a parameter of shape {tuple(p.shape)}; put it in a "
-                        "group with use_muon=False (AdamW), as gwt_optim.toolkit's 'gwt-muon' factory does"
-                    )
+            if type(p).__name__ == "DTensor":
+                raise NotImplementedError(
+                    "GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters are not "
+                    "supported in use_muon groups. Use GWTAdamW for sharded training"
+                )
+            if p.ndim != 2:
+                raise ValueError(
+                    f"Muon groups take 2-D weights, got {where}; put it in a "
+                    "group with use_muon=False (AdamW), as gwt_optim.toolkit's 'gwt-muon' factory does"
+                )
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not 0.0 <= g["momentum"] < 1.0:
@@ -237,7 +230,8 @@ class GWTMuon(GWTOptimizer):
         # Newton-Schulz divides by the norm first, so the limiter would cancel.
         return not group["use_muon"] and super()._limiter_enabled(group, transformed)
 
-    def _postprocess(self, group, state, delta, transformed):
+    def _postprocess(self, ps, delta):
+        group = ps.group
         if not group["use_muon"]:
             return delta
         O = zeropower_via_newtonschulz(
@@ -245,16 +239,9 @@ class GWTMuon(GWTOptimizer):
         )
         # alpha given to the base was cancelled by the normalization; apply it here.
         O = O.to(delta.dtype)
-        return O.mul_(group["scale"]) if transformed and group["scale"] != 1 else O
+        return O.mul_(group["scale"]) if ps.transformed and group["scale"] != 1 else O
 
-    def _step_factor(self, group, state, step) -> float:
-        if not group["use_muon"]:
-            return GWTAdamW._step_factor(self, group, state, step)
-        return adjust_lr_ratio(group["adjust_lr_fn"], self._shape_in_step)
-
-    def _phase2(self, ps) -> None:
-        self._shape_in_step = ps.param.shape
-        try:
-            super()._phase2(ps)
-        finally:
-            self._shape_in_step = None
+    def _step_factor(self, ps) -> float:
+        if not ps.group["use_muon"]:
+            return GWTAdamW._step_factor(self, ps)
+        return adjust_lr_ratio(ps.group["adjust_lr_fn"], ps.param.shape)

@@ -8,6 +8,12 @@ temporary name and renamed into place only when every file is complete, so
 ``latest_checkpoint`` never returns a torn checkpoint -- a run killed while
 saving, or stopped by a non-finite loss, leaves the previous one intact.
 
+Re-saving a step that already exists (resuming a finished run) swaps the
+new directory in before the old one is removed, so a crash at any moment
+leaves a complete checkpoint of that step. A checkpoint damaged later (a
+truncated copy) raises :class:`CheckpointUnreadable` on load, so the caller
+can fall back to the previous one.
+
 Each ``rank{r}.pt`` holds the model, optimizer and LR-scheduler state dicts,
 the data position, the RNG states and the step. Optimizer states may contain
 helper objects (GaLore's projector), so files are loaded with
@@ -16,7 +22,9 @@ helper objects (GaLore's projector), so files are loaded with
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -29,6 +37,8 @@ from gwt_optim.toolkit.metrics import atomic_write_json
 
 __all__ = [
     "CHECKPOINT_DIR",
+    "CheckpointUnreadable",
+    "read_meta",
     "list_checkpoints",
     "latest_checkpoint",
     "save_checkpoint",
@@ -39,6 +49,24 @@ __all__ = [
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8})$")
+_REPLACED = ".replaced_"  # the old copy of a step being re-saved, until the new one is in place
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint's files exist but cannot be read (truncated, emptied, corrupt)."""
+
+
+def _restore_interrupted_replace(root: Path) -> None:
+    # A crash between the two renames of a re-save leaves only the old copy: put it back.
+    for old in root.glob(_REPLACED + "step_*"):
+        final = root / old.name[len(_REPLACED):]
+        if not final.exists():
+            try:
+                os.replace(old, final)
+            except OSError:  # another rank put it back first
+                pass
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -46,6 +74,7 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
+    _restore_interrupted_replace(root)
     found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "meta.json").is_file()]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
@@ -120,21 +149,39 @@ def save_checkpoint(
             staging / "meta.json",
             {"step": step, "world_size": world_size, "sharded": sharded, **(meta or {})},
         )
-        if final.exists():  # a resumed run re-saving the same step
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        if final.exists():  # a resumed run re-saving the same step: swap, then remove the old copy
+            old = root / (_REPLACED + final.name)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
         for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """The payload this rank saved (or rank 0's for an unsharded checkpoint)."""
-    import json
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint; :class:`CheckpointUnreadable` when damaged."""
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointUnreadable(f"{file}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(meta, dict) or not {"step", "world_size", "sharded"} <= set(meta):
+        raise CheckpointUnreadable(f"{file}: not a checkpoint's meta.json")
+    return meta
 
+
+def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """The payload this rank saved (or rank 0's for an unsharded checkpoint).
+
+    Raises :class:`CheckpointUnreadable` when a file is damaged, and
+    ``ValueError`` when FSDP shards were saved for another world size."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     if meta["sharded"] and meta["world_size"] != world_size:
         raise ValueError(
             f"{path} holds FSDP shards for {meta['world_size']} ranks; resume it with "
@@ -143,4 +190,8 @@ def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int =
     file = path / f"rank{rank if meta['sharded'] else 0}.pt"
     # Optimizer states may hold helper objects (GaLore's projector): not weights-only.
     # FSDP shards are DTensors tied to their device mesh; leave them where they were.
-    return torch.load(file, map_location=None if meta["sharded"] else "cpu", weights_only=False)
+    try:
+        return torch.load(file, map_location=None if meta["sharded"] else "cpu", weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as exc:
+        # torch reports a truncated zip archive as a RuntimeError from its stream reader.
+        raise CheckpointUnreadable(f"{file}: {type(exc).__name__}: {' '.join(str(exc).split())}") from exc

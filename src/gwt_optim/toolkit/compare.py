@@ -12,16 +12,25 @@ With no flags it is the CPU demo (:data:`~gwt_optim.toolkit.recipes.DEMO`):
 AdamW, GWT-AdamW at levels 1-3, GaLore and 8-bit Adam on a 1.9M-parameter
 LLaMA over the bundled corpus, about ten minutes on two cores. ``--paper
 SIZE`` is the paper's C4 comparison, for GPUs.
+
+Earlier runs are never deleted. A folder that already holds runs needs
+``--resume`` (finished runs with the same settings are reused, the others
+continue from their checkpoints) or ``--overwrite`` (the earlier run folders
+are moved to ``OUT/replaced-TIMESTAMP/`` and every run starts afresh).
+Everything a run prints -- its errors, third-party warnings -- goes to its
+``log.txt``; the console shows one progress bar per run and the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +71,142 @@ def _same_config(run: Path, config: dict[str, Any]) -> bool:
     }
 
 
+# What compare itself writes before a run trains: a folder holding only these
+# is a run that never started (a bad setting), with nothing to lose.
+_PRE_RUN_FILES = {"requested_config.json", "log.txt"}
+
+
+def _holds_files(run: Path) -> bool:
+    return run.is_dir() and any(p.name not in _PRE_RUN_FILES for p in run.iterdir())
+
+
+def _check_existing(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: argparse.Namespace) -> None:
+    """Refuse, before anything trains, to touch earlier runs the user did not say what to do with."""
+    from gwt_optim.toolkit.errors import UsageError
+    from gwt_optim.toolkit.train import resume_conflicts
+
+    existing = [run for _, run, _ in plan if _holds_files(run)]
+    if not existing or args.overwrite:
+        return
+    if not args.resume:
+        raise UsageError(
+            f"{out} already holds runs ({', '.join(r.name for r in existing)}); pass --resume to continue "
+            "them, --overwrite to start afresh (the earlier folders are kept under "
+            f"{out}/replaced-TIMESTAMP/), or choose a new --out"
+        )
+    for _, run, config in plan:
+        try:
+            saved = json.loads((run / "config.json").read_text())
+        except (OSError, ValueError):
+            continue  # never started training: resuming starts it
+        conflicts = resume_conflicts(saved, config)
+        if conflicts:
+            raise UsageError(
+                f"--resume: {run} was trained with other settings ({'; '.join(conflicts)}); pass "
+                "--overwrite to start afresh or choose a new --out"
+            )
+
+
+def _move_aside(runs: list[Path], out: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out / f"replaced-{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = out / f"replaced-{stamp}-{n}"
+    aside.mkdir(parents=True)
+    for run in runs:
+        os.replace(run, aside / run.name)
+    return aside
+
+
+class _MetricsFollower:
+    """The newest step and losses of a run's ``metrics.jsonl``, read incrementally
+    (a resumed run truncates the file: reading then starts over)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+        self.step, self.post = 0, {}
+
+    def poll(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < self.offset:
+            self.offset, self.partial = 0, b""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            self.step = max(self.step, int(rec.get("step", 0))) if "loss" in rec else self.step
+            if "loss" in rec:
+                self.post["loss"] = f"{rec['loss']:.3f}"
+            if "val_loss" in rec:
+                self.post["val_loss"] = f"{rec['val_loss']:.3f}"
+
+
+def _last_error(log: Path) -> str:
+    """The child's one-line error, or the end of its traceback."""
+    try:
+        lines = [ln.split("\r")[-1].rstrip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln.strip()]
+    for ln in reversed(lines):
+        if ": error: " in ln:
+            return ln
+    return "\n".join(lines[-5:])
+
+
+def _train_one(cmd: list[str], run: Path, total: int, desc: str, show: bool) -> int:
+    """Run ``cmd`` with its output in ``run/log.txt`` and a progress bar here.
+
+    The child gets its own session, so a Ctrl-C at the terminal reaches only
+    this process, which passes exactly one SIGINT on: the run then stops at a
+    step boundary and saves (a second Ctrl-C passes a second one: quit now)."""
+    from tqdm.auto import tqdm
+
+    follower = _MetricsFollower(run / "metrics.jsonl")
+    with open(run / "log.txt", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        bar = tqdm(total=total, desc=desc, unit="step", disable=not show, dynamic_ncols=True, leave=False)
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                follower.poll()
+                if follower.step != bar.n:
+                    bar.update(follower.step - bar.n)
+                    bar.set_postfix(follower.post, refresh=False)
+                if rc is not None:
+                    return rc
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"\nstopping {desc} at its next step to save it (Ctrl-C again to stop it at once)", file=sys.stderr)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait()
+            except KeyboardInterrupt:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait()
+            raise
+        finally:
+            bar.close()
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    from gwt_optim.toolkit.pretrain import resolve_config
+    from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
     from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, paper_optimizers
-    from gwt_optim.toolkit.registry import parse_optimizer_arg
+    from gwt_optim.toolkit.registry import validate_optimizer_spec
     from gwt_optim.toolkit.report import write_report
 
     if args.list:
@@ -76,32 +217,41 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         specs = paper_optimizers(args.paper) if args.paper else list(DEMO_OPTIMIZERS)
     for spec in specs:  # fail on a typo now, not after an hour of training
-        parse_optimizer_arg(spec)
+        validate_optimizer_spec(spec)
+    check_inputs(base)
 
     out = Path(base.out if "out" in vars(args) else "runs/compare")
-    out.mkdir(parents=True, exist_ok=True)
-    finished, failed = [], []
+    plan = []
     for i, spec in enumerate(specs):
         run = out / run_dir_name(i, spec)
-        config = {**base.to_dict(), "optimizer": spec, "out": str(run), "resume": args.resume}
-        if run.exists():
-            reusable = args.resume and _same_config(run, config)
-            if reusable and (run / "summary.json").is_file():
-                print(f"[{i + 1}/{len(specs)}] {spec}: finished earlier, reusing {run}")
-                finished.append(run)
-                continue
-            if not reusable:  # compare owns its run folders; other settings start afresh
-                shutil.rmtree(run)
+        plan.append((spec, run, {**base.to_dict(), "optimizer": spec, "out": str(run), "resume": args.resume,
+                                 "progress": False}))  # the bar is drawn here, from metrics.jsonl
+    _check_existing(plan, out, args)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.overwrite:
+        earlier = [run for _, run, _ in plan if _holds_files(run)]
+        if earlier:
+            print(f"moved {len(earlier)} earlier run folder(s) to {_move_aside(earlier, out)}")
+    finished, failed = [], []
+    for i, (spec, run, config) in enumerate(plan):
+        tag = f"[{i + 1}/{len(specs)}] {spec}"
+        if args.resume and _same_config(run, config) and (run / "summary.json").is_file():
+            print(f"{tag}: finished earlier, reusing {run}")
+            finished.append(run)
+            continue
         run.mkdir(parents=True, exist_ok=True)
         cfg_path = run / "requested_config.json"
         cfg_path.write_text(json.dumps(config, indent=2))
-        print(f"[{i + 1}/{len(specs)}] {spec} -> {run}", flush=True)
-        rc = subprocess.call([*_launcher(args.nproc_per_node), "pretrain", "--config", str(cfg_path)])
+        print(f"{tag} -> {run}", flush=True)
+        cmd = [*_launcher(args.nproc_per_node), "pretrain", "--config", str(cfg_path)]
+        rc = _train_one(cmd, run, base.steps, spec, base.progress)
         if rc == 0 and (run / "summary.json").is_file():
             finished.append(run)
         else:
             failed.append((spec, rc))
-            print(f"[{i + 1}/{len(specs)}] {spec}: failed (exit code {rc}); continuing", file=sys.stderr)
+            print(f"{tag}: failed (exit code {rc}; log: {run / 'log.txt'}); continuing", file=sys.stderr)
+            if why := _last_error(run / "log.txt"):
+                print(f"  {why}", file=sys.stderr)
     if not finished:
         print("compare: no run finished", file=sys.stderr)
         return 1
@@ -134,8 +284,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "'adamw,gwt-adamw:level=2:lr=1e-2:scale=0.25,galore:rank=32' (default: the recipe's list)")
     p.add_argument("--out", default=argparse.SUPPRESS, help="output folder, one sub-folder per run "
                    "(default runs/compare)")
-    p.add_argument("--resume", action="store_true",
-                   help="reuse finished runs with the same settings and resume interrupted ones")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="when --out holds earlier runs: reuse finished ones with the same settings and "
+                       "continue the others from their checkpoints (a larger --steps extends them)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="when --out holds earlier runs: start every run afresh; the earlier run folders "
+                       "are moved to OUT/replaced-TIMESTAMP/, never deleted (delete that folder yourself)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="run each optimizer under torchrun with N "
                    "processes (DDP; add --fsdp for FSDP2)")
     p.add_argument("--list", action="store_true", help="list the registered optimizers and exit")

@@ -49,6 +49,7 @@ import torch
 
 __all__ = [
     "DataUnavailable",
+    "check_source",
     "load_texts",
     "demo_tokenizer",
     "bpe_tokenizer",
@@ -209,9 +210,21 @@ def _local_files(root: Path) -> list[Path]:
     if bad or not files:
         raise ValueError(
             f"--data {root}: expected .txt, .jsonl or .parquet files"
-            + (f", got {bad[0].name}" if bad else ", found none")
+            + (f", got {bad[0].name}" if bad else " in the folder, found none")
         )
     return files
+
+
+def check_source(source: str) -> None:
+    """Fail now on a ``--data`` that names nothing usable (before any tokenizer
+    is loaded, which may wait on the Hub): a missing path, a folder without
+    text files, a file of another kind."""
+    if source in _SOURCES:
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source!r}: no such file or folder; use 'demo', 'c4' or a path")
+    _local_files(path)
 
 
 def _file_split(path: Path, root: Path) -> str | None:
@@ -228,19 +241,37 @@ def _file_split(path: Path, root: Path) -> str | None:
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); is it a binary file?"
+        ) from None
+    if "\0" in text:
+        raise ValueError(f"{path}: holds NUL bytes; is it a binary file?")
+    return text
+
+
 def _read_documents(path: Path) -> list[str]:
     if path.suffix == ".txt":
-        return [d.strip() for d in _BLANK_LINES.split(path.read_text(encoding="utf-8")) if d.strip()]
+        return [d.strip() for d in _BLANK_LINES.split(_read_text(path)) if d.strip()]
     if path.suffix == ".jsonl":
         docs = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        for n, line in enumerate(_read_text(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
                 row = json.loads(line)
-                if "text" not in row:
-                    raise ValueError(f"{path}:{n}: a .jsonl line needs a 'text' field, got keys {sorted(row)}")
-                docs.append(row["text"])
+            except ValueError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from None
+            if not isinstance(row, dict) or "text" not in row:
+                got = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{path}:{n}: a .jsonl line needs a 'text' field, got {got}")
+            if not isinstance(row["text"], str):
+                raise ValueError(f"{path}:{n}: 'text' must be a string, got {type(row['text']).__name__}")
+            docs.append(row["text"])
         return docs
     import pyarrow.parquet as pq
 
@@ -258,14 +289,17 @@ def _local_texts(root: Path, split: str, limit: int | None) -> list[str]:
     files = _local_files(root)
     named = {f: _file_split(f, root) for f in files}
     explicit = any(s is not None for s in named.values())
+    # Files that name no split train, unless the folder names none at all.
+    mine = [f for f in files if not explicit or (named[f] or "train") == split]
     docs: list[str] = []
-    for f in files:
-        if explicit:
-            # Files that name no split train, unless the folder names none at all.
-            if (named[f] or "train") == split:
-                docs.extend(_read_documents(f))
-        else:
-            docs.extend(d for d in _read_documents(f) if _in_validation(d) == (split == "validation"))
+    empty = 0
+    for f in mine:
+        read = _read_documents(f)
+        empty += not read
+        docs.extend(read if explicit else (d for d in read if _in_validation(d) == (split == "validation")))
+    if mine and empty == len(mine):
+        which = mine[0] if len(mine) == 1 else f"{root} ({len(mine)} {split} files)"
+        raise ValueError(f"--data {which}: empty, no text in it")
     if not docs:
         raise ValueError(
             f"--data {root}: no {split} documents. Name files train*/valid* to split by file, or give "
@@ -338,18 +372,52 @@ def demo_tokenizer(vocab_size: int = 4096):
     return bpe_tokenizer(load_texts("demo", "train"), vocab_size, name="demo")
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's host accepts a connection: a quick probe, so that an
+    offline machine is told at once instead of after the Hub client's retries.
+    Behind a proxy a direct connection proves nothing, so the client decides."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    try:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except ImportError:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _hub_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
+    def unavailable(why: str) -> DataUnavailable:
+        return DataUnavailable(
+            f"tokenizer {spec!r} is neither a local directory nor in the Hugging Face cache, and {why}. "
+            "Use --tokenizer bpe to train a byte-level BPE on your training split, point --tokenizer at a "
+            "local directory, or download it once with network access."
+        )
+
+    try:
+        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        if Path(spec).expanduser().is_dir():  # a local folder that is not a tokenizer: say why
+            raise DataUnavailable(f"--tokenizer {spec}: not a tokenizer folder ({exc})") from None
+    if _hub_offline():
+        raise unavailable("HF_HUB_OFFLINE is set")
+    if not _hub_reachable():
+        raise unavailable("the Hugging Face Hub cannot be reached (offline?)")
     try:
         return AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as exc:
-        raise DataUnavailable(
-            f"tokenizer {spec!r} is neither a local directory nor in the Hugging Face cache, and the "
-            f"Hub cannot be reached ({type(exc).__name__}). Download it once with network access, "
-            "point --tokenizer at a local directory, or use --tokenizer bpe to train a byte-level BPE "
-            "on the training split."
-        ) from exc
+        raise unavailable(f"the Hub did not provide it ({type(exc).__name__})") from exc
 
 
 def _default_tokenizer(data: str) -> str:
@@ -357,7 +425,8 @@ def _default_tokenizer(data: str) -> str:
     return "bpe" if data == "demo" else "t5-base"
 
 
-def load_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed: int = 0):
+def load_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed: int = 0,
+                   train_texts: Sequence[str] | None = None):
     """The tokenizer named by ``spec`` for the data source ``data``.
 
     ``None``/``"auto"`` -> t5-base (the paper's) for C4 and local text, the
@@ -369,11 +438,16 @@ def load_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed:
         spec = _default_tokenizer(data)
     if spec == "bpe" or spec.startswith("bpe:"):
         if ":" in spec:
-            vocab_size = int(spec.split(":", 1)[1])
+            size = spec.split(":", 1)[1]
+            if not size.isdigit() or int(size) < len(BPE_SPECIAL_TOKENS) + 256:
+                raise ValueError(f"--tokenizer {spec!r}: bpe:VOCAB needs a vocabulary size of at least 259")
+            vocab_size = int(size)
         if data == "demo":
             return demo_tokenizer(vocab_size)
         name = "c4" if data == "c4" else Path(data).name or "local"
-        return bpe_tokenizer(load_texts(data, "train", seed=seed), vocab_size, name=name)
+        if train_texts is None:
+            train_texts = load_texts(data, "train", seed=seed)
+        return bpe_tokenizer(train_texts, vocab_size, name=name)
     return _hub_tokenizer(spec)
 
 
@@ -553,7 +627,11 @@ def build_data(
     progress: bool = True,
 ) -> DataBundle:
     """Tokenizer, training batches and validation windows for ``source``."""
-    tok = load_tokenizer(tokenizer, source, vocab_size=vocab_size, seed=seed)
+    train_texts = val_texts = None
+    if source != "c4":  # read the text first: a bad file fails before a tokenizer is fetched
+        train_texts = load_texts(source, "train", seed=seed)
+        val_texts = load_texts(source, "validation", seed=seed)
+    tok = load_tokenizer(tokenizer, source, vocab_size=vocab_size, seed=seed, train_texts=train_texts)
     info: dict[str, Any] = {"source": source, "tokenizer": tokenizer or _default_tokenizer(source),
                             "vocab_size": len(tok), "seq_len": seq_len}
     if source == "c4":
@@ -568,8 +646,8 @@ def build_data(
             lambda skip: c4_documents("train", seed=seed, skip=skip), tok, seq_len
         )
     else:
-        train_tokens = tokenize_corpus(load_texts(source, "train", seed=seed), tok, progress=progress)
-        val_stream = tokenize_corpus(load_texts(source, "validation", seed=seed), tok, progress=progress)
+        train_tokens = tokenize_corpus(train_texts, tok, progress=progress)
+        val_stream = tokenize_corpus(val_texts, tok, progress=progress)
         validation = validation_windows(val_stream, seq_len, val_tokens)
         train = PackedBatches(train_tokens, seq_len, seed=seed)
         info.update(train_tokens=int(len(train_tokens)), train_windows=train.windows)

@@ -55,14 +55,19 @@ class DistContext:
 
 
 def _pick_device(preference: str, local_rank: int) -> torch.device:
+    from gwt_optim.toolkit.errors import UsageError
+
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
+    if preference.split(":")[0] == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {preference}: no CUDA GPU is available to torch here; use --device cpu or auto")
     if preference == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was requested but no CUDA device is available; use --device cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    return torch.device(preference)
+    try:
+        return torch.device(preference)
+    except RuntimeError:
+        raise UsageError(f"--device {preference!r}: use auto, cpu or cuda") from None
 
 
 def init_distributed(device: str = "auto") -> DistContext:

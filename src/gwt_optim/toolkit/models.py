@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["shipped_configs", "load_config", "build_model", "count_parameters"]
+__all__ = [
+    "shipped_configs",
+    "check_model_spec",
+    "load_config",
+    "build_model",
+    "enable_gradient_checkpointing",
+    "count_parameters",
+]
 
 _CONFIG_PACKAGE = "gwt_optim.configs"
 
@@ -42,6 +49,22 @@ def _shipped_path(name: str):
     return None
 
 
+def check_model_spec(spec: str | Path):
+    """The shipped config ``spec`` names, or None for a local directory or
+    .json file; ``FileNotFoundError`` when it is neither (without importing
+    transformers, so a typo fails before anything is loaded)."""
+    shipped = _shipped_path(str(spec))
+    path = Path(spec)
+    if shipped is not None:
+        return shipped
+    if (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".json"):
+        return None
+    raise FileNotFoundError(
+        f"--model {spec!r} is neither a shipped config ({', '.join(shipped_configs())}) "
+        "nor a local directory with config.json nor a config .json file"
+    )
+
+
 def load_config(spec: str | Path, **overrides: Any):
     """A ``transformers`` config from a shipped name, a directory or a JSON file.
 
@@ -50,19 +73,11 @@ def load_config(spec: str | Path, **overrides: Any):
     """
     from transformers import AutoConfig, LlamaConfig
 
-    shipped = _shipped_path(str(spec))
-    path = Path(spec)
+    shipped = check_model_spec(spec)
     if shipped is not None:
         config = LlamaConfig.from_dict(json.loads(shipped.read_text()))
-    elif path.is_dir() and (path / "config.json").is_file():
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    elif path.is_file() and path.suffix == ".json":
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
     else:
-        raise FileNotFoundError(
-            f"--model {spec!r} is neither a shipped config ({', '.join(shipped_configs())}) "
-            "nor a local directory with config.json nor a config .json file"
-        )
+        config = AutoConfig.from_pretrained(Path(spec), local_files_only=True)
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
@@ -75,6 +90,8 @@ def build_model(
     tokenizer=None,
     max_seq_len: int | None = None,
     pretrained: bool = False,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """A causal LM with fresh weights (seeded by the caller's ``torch.manual_seed``).
@@ -82,6 +99,12 @@ def build_model(
     ``tokenizer`` fixes the vocabulary size and the bos/eos/pad ids;
     ``max_seq_len`` raises ``max_position_embeddings`` when needed.
     ``pretrained=True`` loads the weights of a local model directory instead.
+
+    With ``dtype`` or ``device``, the model is built on the meta device and
+    materialized straight in ``dtype`` on ``device`` (CPU by default), then
+    initialized there: no fp32 copy ever exists, so a 7B model in bf16 peaks
+    at its 13.5 GB. Without them the weights are built in fp32 on the CPU, as
+    always (the same seeded values as before).
     """
     from transformers import AutoModelForCausalLM
 
@@ -96,13 +119,38 @@ def build_model(
     if pretrained:
         if not Path(spec).is_dir():
             raise ValueError(f"--pretrained needs a local model directory with weights, got {spec!r}")
-        model = AutoModelForCausalLM.from_pretrained(spec, config=config, local_files_only=True)
+        extra = {} if dtype is None else {"dtype": dtype}
+        if device is not None:
+            extra["device_map"] = str(device)
+        model = AutoModelForCausalLM.from_pretrained(spec, config=config, local_files_only=True, **extra)
         if tokenizer is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
         return model
     # KV caching only matters for generation; training never reads it.
     config.use_cache = False
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if dtype is None and device is None:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model.to_empty(device=device or "cpu")
+    # Buffers (rotary frequencies) are recomputed too; their dtype stays as the model defines it.
+    model.init_weights()
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (the HF switch).
+
+    Non-reentrant checkpointing: parameter hooks (``step_in_backward``) fire
+    once per parameter, and inputs that need no gradient are fine.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
 
 
 def count_parameters(model: nn.Module) -> int:

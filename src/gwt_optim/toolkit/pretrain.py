@@ -2,8 +2,10 @@
 
 Settings are layered, later wins: the built-in defaults
 (:class:`~gwt_optim.toolkit.train.TrainConfig`), then ``--paper SIZE`` (the
-paper's C4 recipe), then ``--config FILE`` (a JSON ``config.json`` of an
-earlier run), then the flags given on the command line.
+paper's C4 recipe), then, with ``--resume``, the run's own ``config.json``,
+then ``--config FILE`` (a JSON ``config.json`` of an earlier run), then the
+flags given on the command line. On resume only the settings of
+:data:`~gwt_optim.toolkit.train.RESUME_MAY_CHANGE` may differ from the run's.
 
 Under ``torchrun --nproc-per-node N -m gwt_optim pretrain ...`` the run is
 data parallel (DDP, or FSDP2 with ``--fsdp``).
@@ -13,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "add_training_arguments", "resolve_config", "run_pretrain"]
+__all__ = ["register", "add_training_arguments", "resolve_config", "check_inputs", "run_pretrain"]
 
 
 def _float_or_none(text: str) -> float | None:
@@ -68,27 +70,58 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end only)")
     g.add_argument("--keep-last", type=int, default=S, help="checkpoints to keep (default 2)")
     g.add_argument("--fsdp", action="store_true", default=S, help="under torchrun: FSDP2 instead of DDP")
+    g.add_argument("--gradient-checkpointing", action="store_true", default=S,
+                   help="recompute each layer's activations in backward (less memory, about 1/3 more compute)")
+    g.add_argument("--step-in-backward", action="store_true", default=S,
+                   help="step each parameter inside backward and free its gradient at once (one process; no "
+                   "gradient accumulation, no --grad-clip)")
     g.add_argument("--device", default=S, help="auto (default), cpu, cuda")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     g.add_argument("--paper", metavar="SIZE", help="the paper's C4 recipe for LLaMA SIZE: 60m, 130m, 350m, 1b (GPUs)")
     g.add_argument("--config", metavar="FILE", help="start from a run's config.json; flags given override it")
 
 
-_NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node"}
+_NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node", "overwrite"}
+
+
+def _read_config(path: str | Path, what: str) -> dict[str, Any]:
+    from gwt_optim.toolkit.errors import UsageError
+
+    try:
+        loaded = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{what} {path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{what} {path}: not a readable JSON file ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"{what} {path}: expected a JSON object of settings")
+    return loaded
 
 
 def resolve_config(args: argparse.Namespace):
-    """Defaults < the demo recipe, or ``--paper SIZE`` < ``--config`` < given flags."""
+    """Defaults < the demo recipe, or ``--paper SIZE`` < the run's own config.json
+    (with ``--resume``) < ``--config`` < given flags; validated."""
     from gwt_optim.toolkit.recipes import DEMO, paper_recipe
     from gwt_optim.toolkit.train import TrainConfig
 
     paper = getattr(args, "paper", None)
-    merged: dict[str, Any] = paper_recipe(paper) if paper else dict(DEMO)
-    if getattr(args, "config", None):
-        with open(args.config) as f:
-            merged.update(json.load(f))
-    merged.update({k: v for k, v in vars(args).items() if k not in _NOT_TRAIN_FIELDS})
-    return TrainConfig.from_dict(merged)
+    base: dict[str, Any] = paper_recipe(paper) if paper else dict(DEMO)
+    given = _read_config(args.config, "--config") if getattr(args, "config", None) else {}
+    given.update({k: v for k, v in vars(args).items() if k not in _NOT_TRAIN_FIELDS})
+    resume = given.get("resume", False)
+    run_config = Path(given.get("out", base.get("out", TrainConfig.out))) / "config.json"
+    if resume and run_config.is_file():
+        base.update(_read_config(run_config, "--resume:"))
+    return TrainConfig.from_dict({**base, **given}).validate()
+
+
+def check_inputs(cfg) -> None:
+    """Fail now, not after loading a tokenizer, on a --model or --data that is not there."""
+    from gwt_optim.toolkit.data import check_source
+    from gwt_optim.toolkit.models import check_model_spec
+
+    check_model_spec(cfg.model)
+    check_source(cfg.data)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -99,16 +132,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def run_pretrain(args: argparse.Namespace) -> int:
-    from gwt_optim.toolkit.data import DataUnavailable
-    from gwt_optim.toolkit.registry import MissingDependency
-    from gwt_optim.toolkit.train import NonFiniteLossError, train
+    from gwt_optim.toolkit.registry import validate_optimizer_spec
+    from gwt_optim.toolkit.train import train
 
     cfg = resolve_config(args)
-    try:
-        summary = train(cfg)
-    except (NonFiniteLossError, DataUnavailable, MissingDependency, FileExistsError) as exc:
-        print(f"gwt-optim pretrain: error: {exc}", file=sys.stderr)
-        return 2
+    validate_optimizer_spec(cfg.optimizer)
+    check_inputs(cfg)
+    summary = train(cfg)  # user errors become one line in gwt_optim.toolkit.errors
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -132,6 +162,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default=argparse.SUPPRESS, help="run directory (default runs/pretrain)")
     p.add_argument("--resume", action="store_true", default=argparse.SUPPRESS,
-                   help="continue from the latest checkpoint in --out, exactly where it stopped")
+                   help="continue the run in --out from its latest checkpoint, exactly where it stopped, with "
+                   "the run's own config.json; only --steps, --eval-every, --eval-batch-size, --save-every, "
+                   "--keep-last, --micro-batch-size, --device and progress flags may change. A new --steps "
+                   "rebuilds the warm-up/cosine schedule for the new total (steps already taken keep their lr)")
     add_training_arguments(p, single_optimizer=True)
     p.set_defaults(func=run_pretrain)

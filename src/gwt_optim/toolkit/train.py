@@ -15,12 +15,27 @@ Schedule: linear warm-up over ``warmup`` (a fraction of the steps, 10% by
 default) then cosine decay to ``min_lr_ratio`` (0.1) times the peak, as in
 the paper. Each optimizer step consumes ``batch_size`` sequences in
 ``batch_size / (micro_batch_size * world_size)`` accumulation steps.
+
+Resume (``resume=True``) continues from the newest readable checkpoint with
+the run's own settings; only :data:`RESUME_MAY_CHANGE` may differ. A new
+``steps`` rebuilds the schedule for the new total: the steps already taken
+keep the learning rates they had, the rest follow the new warm-up/cosine.
+
+Ctrl-C (SIGINT) asks the loop to stop at the next step boundary, where the
+weights, optimizer, schedule and data position agree; that state is saved and
+``--resume`` continues bit for bit. A second Ctrl-C quits at once, saving
+nothing (the last checkpoint stays).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -38,6 +53,8 @@ __all__ = [
     "train",
     "evaluate",
     "PRECISIONS",
+    "RESUME_MAY_CHANGE",
+    "resume_conflicts",
 ]
 
 
@@ -79,6 +96,8 @@ class TrainConfig:
     keep_last: int = 2
     resume: bool = False
     fsdp: bool = False
+    gradient_checkpointing: bool = False  # recompute layer activations in backward (HF's switch)
+    step_in_backward: bool = False  # step each parameter inside backward (gwt_optim.step_in_backward)
     device: str = "auto"
     progress: bool = True
     timing_warmup: int = 3  # steps left out of ms/step and tokens/s
@@ -96,6 +115,70 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        """Raise :class:`~gwt_optim.toolkit.errors.UsageError` naming the flag
+        of the first value no run could use (checked before anything is loaded)."""
+        from gwt_optim.toolkit.errors import UsageError
+
+        def number(name: str, value: Any, *, minimum: float, integer: bool, strict: bool = False) -> None:
+            flag = "--" + name.replace("_", "-")
+            kind = "an integer" if integer else "a number"
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if integer:
+                ok = ok and float(value).is_integer()
+            if not ok or not math.isfinite(value) or value < minimum or (strict and value == minimum):
+                bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+                raise UsageError(f"{flag} must be {kind} {bound}, got {value!r}")
+
+        for name in ("steps", "seq_len", "batch_size", "eval_batch_size", "val_tokens", "vocab_size"):
+            number(name, getattr(self, name), minimum=1, integer=True)
+        for name in ("eval_every", "save_every", "keep_last", "timing_warmup"):
+            number(name, getattr(self, name), minimum=0, integer=True)
+        if self.micro_batch_size is not None:
+            number("micro_batch_size", self.micro_batch_size, minimum=1, integer=True)
+        number("lr", self.lr, minimum=0, integer=False, strict=True)
+        number("scale", self.scale, minimum=0, integer=False, strict=True)
+        number("weight_decay", self.weight_decay, minimum=0, integer=False)
+        number("warmup", self.warmup, minimum=0, integer=False)
+        number("eps", self.eps, minimum=0, integer=False)
+        if self.grad_clip is not None:
+            number("grad_clip", self.grad_clip, minimum=0, integer=False, strict=True)
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+            raise UsageError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio!r}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise UsageError(f"betas must be two numbers in [0, 1), got {list(self.betas)!r}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.seq_len < 2:
+            raise UsageError(f"--seq-len must be at least 2 (a token and the next one to predict), got {self.seq_len}")
+        if self.step_in_backward and self.grad_clip is not None:
+            raise UsageError(
+                "--step-in-backward cannot clip the global gradient norm (--grad-clip): each parameter is "
+                "stepped before the other gradients exist"
+            )
+        return self
+
+
+# What ``--resume`` may change: how long to train, how often to evaluate and
+# save, where and how verbosely to run. Every other setting shapes the
+# trajectory, and a different value would silently splice two runs together.
+RESUME_MAY_CHANGE = frozenset({
+    "out", "resume", "steps", "eval_every", "eval_batch_size", "save_every", "keep_last", "progress",
+    "timing_warmup", "device", "micro_batch_size",
+})
+
+
+def resume_conflicts(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """``"optimizer: 'adamw' -> 'gwt-adamw'"`` for each setting ``--resume`` may not change."""
+    def norm(v: Any) -> Any:
+        return json.loads(json.dumps(v))  # tuples and lists alike
+
+    return [
+        f"{key}: {saved[key]!r} -> {wanted[key]!r}"
+        for key in sorted(saved)
+        if key in wanted and key not in RESUME_MAY_CHANGE and norm(saved[key]) != norm(wanted[key])
+    ]
 
 
 class Callback:
@@ -242,27 +325,138 @@ def _current_lr(optimizer: torch.optim.Optimizer) -> float:
     return max(float(g["lr"]) for g in optimizer.param_groups)
 
 
+# Files that make a folder an earlier run's: a new run there would replace them.
+_RUN_FILES = ("summary.json", "metrics.jsonl", "config.json")
+
+
 def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
-    from gwt_optim.toolkit.checkpoint import latest_checkpoint
+    """The run folder, checked on every rank (they share it) so they all fail alike."""
+    from gwt_optim.toolkit.checkpoint import list_checkpoints
+    from gwt_optim.toolkit.errors import UsageError
 
     run = Path(cfg.out)
-    if is_main and not cfg.resume and latest_checkpoint(run) is not None:
+    if run.exists() and not run.is_dir():
+        raise UsageError(f"--out {run} is a file, not a folder")
+    if not cfg.resume and (list_checkpoints(run) or any((run / f).is_file() for f in _RUN_FILES)):
         raise FileExistsError(
-            f"{run} already holds checkpoints of an earlier run; pass --resume to continue it "
-            "or choose another --out"
+            f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
         )
+    if cfg.resume:
+        try:
+            saved = json.loads((run / "config.json").read_text())
+        except FileNotFoundError:
+            saved = None
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--resume: {run / 'config.json'} is unreadable ({exc}); use a new --out") from None
+        conflicts = resume_conflicts(saved, cfg.to_dict()) if isinstance(saved, dict) else []
+        if conflicts:
+            raise UsageError(
+                f"--resume: {run} was trained with other settings ({'; '.join(conflicts)}). Only "
+                f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_MAY_CHANGE - {'out', 'resume'}))} "
+                "may change on resume; start a new run with another --out"
+            )
     if is_main:
-        run.mkdir(parents=True, exist_ok=True)
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UsageError(f"--out {run}: a file is in the way of that folder") from None
+        if not os.access(run, os.W_OK):
+            raise PermissionError(13, "permission denied", str(run))
     return run
+
+
+def _load_resume_state(run: Path, cfg: TrainConfig, dctx) -> tuple[Path | None, dict[str, Any] | None]:
+    """The newest checkpoint every rank can read and its payload.
+
+    A checkpoint damaged after it was written (a truncated copy, a full disk
+    elsewhere) is set aside as ``unreadable-step_N`` and the previous one is
+    used, with a message: losing some steps beats refusing to resume."""
+    from gwt_optim.toolkit import checkpoint as ckpt
+    from gwt_optim.toolkit.distributed import all_reduce
+    from gwt_optim.toolkit.errors import UsageError
+
+    candidates = list(reversed(ckpt.list_checkpoints(run)))
+    why = ""
+    for path in candidates:
+        try:
+            state = ckpt.load_checkpoint(path, rank=dctx.rank, world_size=dctx.world_size)
+        except ckpt.CheckpointUnreadable as exc:
+            state, why = None, str(exc)
+        ok = torch.tensor([1.0 if state is not None else 0.0], device=dctx.device)
+        all_reduce(ok, dctx, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() == 1.0:
+            if path != candidates[0] and dctx.is_main:
+                print(f"--resume: resuming from the previous checkpoint, {path}", file=sys.stderr)
+            meant = ckpt.read_meta(path).get("optimizer")
+            if meant is not None and meant != cfg.optimizer:
+                raise UsageError(f"--resume: {path} is a checkpoint of --optimizer {meant!r}, not {cfg.optimizer!r}")
+            return path, state
+        del state
+        dctx.barrier()
+        if dctx.is_main:
+            aside = path.with_name("unreadable-" + path.name)
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = path.with_name(f"unreadable{n}-{path.name}")
+            os.replace(path, aside)
+            print(f"--resume: {path.name} is unreadable ({why}); moved it to {aside.name}", file=sys.stderr)
+        dctx.barrier()
+    if candidates:
+        raise UsageError(f"--resume: no readable checkpoint in {run / ckpt.CHECKPOINT_DIR} (last error: {why})")
+    return None, None
+
+
+def _use_schedule(scheduler, schedule: "WarmupCosine") -> None:
+    """Put this run's schedule back after ``LambdaLR.load_state_dict``, which
+    restores the saved one's fields (its old total), and set the current lr
+    from it: a resume with more ``steps`` follows the rebuilt schedule, and an
+    unchanged one gets the very same value ``scheduler.step()`` had set."""
+    scheduler.lr_lambdas = [schedule] * len(scheduler.base_lrs)
+    lrs = [base * schedule(scheduler.last_epoch) for base in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+class _StopOnSigint:
+    """Ctrl-C while training: the first one asks the loop to stop at the next
+    step boundary (``requested``); a second one raises ``KeyboardInterrupt`` at
+    once. Only the main thread can own a signal handler; elsewhere, or when
+    SIGINT is ignored (a background job), nothing is installed."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        # os.write, not print: a handler that prints while the loop prints can raise a reentrant-call error.
+        with contextlib.suppress(OSError):
+            os.write(2, b"\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without saving)\n")
+
+    def __enter__(self) -> "_StopOnSigint":
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _quiet_import_noise() -> None:
     """transformers imports torchao (for its quantizers), which logs missing
-    CUDA kernels on CPU machines and trips torch's pytree deprecation warnings:
-    noise for a training run, so only errors from those loggers are shown."""
+    CUDA kernels on CPU machines and trips torch's pytree deprecation warnings,
+    and bitsandbytes logs on import that its CPU 4-bit kernel (which 8-bit Adam
+    never uses) could not be fetched: noise for a training run, so only errors
+    from those loggers are shown."""
     import logging
 
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -287,9 +481,10 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
         peak_rss_bytes,
         state_bytes,
     )
-    from gwt_optim.toolkit.models import build_model, count_parameters
+    from gwt_optim.toolkit.models import build_model, count_parameters, enable_gradient_checkpointing
 
     _quiet_import_noise()
+    cfg.validate()
     callbacks = list(callbacks)
     dctx = init_distributed(cfg.device)
     device = dctx.device
@@ -304,6 +499,16 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
             f"of {micro}; pick --micro-batch-size dividing {per_rank}"
         )
     accum = per_rank // micro
+    if cfg.step_in_backward and (dctx.distributed or accum > 1):
+        from gwt_optim.toolkit.errors import UsageError
+
+        raise UsageError(
+            "--step-in-backward runs in one process without gradient accumulation: every backward steps "
+            + (f"(this run is data parallel over {dctx.world_size} ranks; their gradient reduction comes after "
+               "the step)" if dctx.distributed else
+               f"(--micro-batch-size {micro} makes {accum} micro-batches per step; use --batch-size {micro}, "
+               "or --gradient-checkpointing to fit the whole batch)")
+        )
     amp = _autocast_dtype(cfg.precision, device)
 
     data = build_data(
@@ -313,24 +518,34 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every optimizer
     model = build_model(cfg.model, tokenizer=data.tokenizer, max_seq_len=cfg.seq_len, pretrained=cfg.pretrained)
     model.to(device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     n_params = count_parameters(model)
     model = wrap_model(model, dctx, fsdp=cfg.fsdp)
     optimizer, opt_info = build_optimizer_for(unwrap(model), cfg)
+    if cfg.step_in_backward:
+        from gwt_optim.backward import step_in_backward
+
+        step_in_backward(optimizer)  # for the life of this optimizer: no handle to keep
     warmup_steps = int(round(cfg.warmup * cfg.steps)) if cfg.warmup < 1 else int(cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, warmup_steps, cfg.min_lr_ratio))
 
     start_step = 0
-    last_ckpt = ckpt.latest_checkpoint(run) if cfg.resume else None
+    last_ckpt, state = _load_resume_state(run, cfg, dctx) if cfg.resume else (None, None)
     if cfg.resume and last_ckpt is None and dctx.is_main:
         print(f"--resume: no checkpoint in {run}; starting from step 0")
-    if last_ckpt is not None:
-        state = ckpt.load_checkpoint(last_ckpt, rank=dctx.rank, world_size=dctx.world_size)
+    if state is not None:
+        start_step = int(state["step"])
+        if start_step > cfg.steps:
+            from gwt_optim.toolkit.errors import UsageError
+
+            raise UsageError(f"--steps {cfg.steps} is below step {start_step} of the checkpoint {last_ckpt}")
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        _use_schedule(scheduler, WarmupCosine(cfg.steps, warmup_steps, cfg.min_lr_ratio))
         data.train.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
-        start_step = int(state["step"])
         del state
 
     if dctx.is_main:
@@ -345,8 +560,10 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     elif dctx.is_main:
         (run / "metrics.jsonl").unlink(missing_ok=True)
 
+    saved_step = start_step if last_ckpt is not None else -1
+
     def save(step: int) -> None:
-        nonlocal last_ckpt
+        nonlocal last_ckpt, saved_step
         payload = {
             "model": unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -360,6 +577,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
             sharded=cfg.fsdp and dctx.distributed, barrier=dctx.barrier,
             meta={"optimizer": cfg.optimizer},
         )
+        saved_step = step
 
     def run_eval(step: int) -> float:
         val = evaluate(model, data.validation, batch_size=cfg.eval_batch_size, device=device,
@@ -376,70 +594,93 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     step = start_step
     val_loss = None
     recent: list[float] = []
-    try:
-        while step < cfg.steps:
-            for cb in callbacks:
-                cb.on_step_start(step + 1, model)
-            batch = shard_rows(data.train.next(cfg.batch_size), dctx)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            with meter.step(tokens_per_step):
-                for i in range(accum):
-                    x = batch[i * micro : (i + 1) * micro].to(device, non_blocking=True)
-                    with _no_sync(model, last=i == accum - 1), _autocast(device, amp):
-                        loss = model(input_ids=x, labels=x).loss / accum
-                        loss.backward()
-                    loss_sum += loss.detach().double()
-                all_reduce(loss_sum, dctx)
-                loss_value = float(loss_sum) / dctx.world_size
-                if not math.isfinite(loss_value):
-                    raise NonFiniteLossError(
-                        f"training loss is {loss_value} at step {step + 1}; stopped before applying it. "
-                        + (f"The last good checkpoint, {last_ckpt}, is intact (resume with --resume). "
-                           if last_ckpt else "No checkpoint was saved yet (use --save-every N). ")
-                        + "Lower --lr, set --grad-clip 1.0, or check the data."
-                    )
-                grad_norm = None
-                if cfg.grad_clip:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-                lr_now = _current_lr(optimizer)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            step += 1
-            record = {"step": step, "loss": loss_value, "lr": lr_now, "tokens": step * tokens_per_step,
-                      "ms": 1000 * meter.last_seconds, "tokens_per_s": tokens_per_step / meter.last_seconds}
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
-            log.write(record)
-            recent = (recent + [loss_value])[-10:]
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            for cb in callbacks:
-                cb.on_step_end(step, record)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                val_loss = run_eval(step)
+    # True from drawing a batch until its step is applied and logged: a
+    # checkpoint taken then would pair the new data position with old weights.
+    in_step = False
+    with _StopOnSigint() as sigint:
+        try:
+            while step < cfg.steps:
+                for cb in callbacks:
+                    cb.on_step_start(step + 1, model)
+                in_step = True
+                batch = shard_rows(data.train.next(cfg.batch_size), dctx)
+                # [loss, stop]: the stop request rides on the loss all-reduce, so every rank
+                # learns of a Ctrl-C that reached any of them at the same step, for free.
+                reduced = torch.zeros(2, dtype=torch.float64, device=device)
+                with meter.step(tokens_per_step):
+                    for i in range(accum):
+                        x = batch[i * micro : (i + 1) * micro].to(device, non_blocking=True)
+                        with _no_sync(model, last=i == accum - 1), _autocast(device, amp):
+                            loss = model(input_ids=x, labels=x).loss / accum
+                            # backward steps in that mode: a bad loss must stop before it
+                            if not (cfg.step_in_backward and not torch.isfinite(loss)):
+                                loss.backward()
+                        reduced[0] += loss.detach().double()
+                    reduced[1] = float(sigint.requested)
+                    all_reduce(reduced, dctx)
+                    loss_value = float(reduced[0]) / dctx.world_size
+                    stop = bool(reduced[1] > 0)
+                    if not math.isfinite(loss_value):
+                        raise NonFiniteLossError(
+                            f"training loss is {loss_value} at step {step + 1}; stopped before applying it. "
+                            + (f"The last good checkpoint, {last_ckpt}, is intact (resume with --resume). "
+                               if last_ckpt else "No checkpoint was saved yet (use --save-every N). ")
+                            + "Lower --lr, set --grad-clip 1.0, or check the data."
+                        )
+                    grad_norm = None
+                    if cfg.grad_clip:
+                        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+                    lr_now = _current_lr(optimizer)
+                    if not cfg.step_in_backward:  # else every parameter was stepped in backward
+                        optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                step += 1
+                record = {"step": step, "loss": loss_value, "lr": lr_now, "tokens": step * tokens_per_step,
+                          "ms": 1000 * meter.last_seconds, "tokens_per_s": tokens_per_step / meter.last_seconds}
+                if grad_norm is not None:
+                    record["grad_norm"] = grad_norm
+                log.write(record)
+                in_step = False
+                recent = (recent + [loss_value])[-10:]
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+                for cb in callbacks:
+                    cb.on_step_end(step, record)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                    val_loss = run_eval(step)
+                    if dctx.is_main:
+                        bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+                if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                    save(step)
+                # One process reads its own flag, which may have been set after the reduction.
+                if (stop if dctx.distributed else sigint.requested) and step < cfg.steps:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            if in_step:
                 if dctx.is_main:
-                    bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                save(step)
-    except KeyboardInterrupt:
-        if step > start_step:
-            save(step)
-            if dctx.is_main:
-                print(f"\ninterrupted: checkpoint of step {step} saved in {last_ckpt}; continue with --resume")
-        raise
-    finally:
-        bar.close()
-        log.close()
+                    kept = f"the last checkpoint, {last_ckpt}, is intact" if last_ckpt else "no checkpoint was saved"
+                    print(f"\ninterrupted mid-step: nothing saved; {kept}", file=sys.stderr)
+            elif step > start_step:
+                if saved_step != step:
+                    save(step)
+                if dctx.is_main:
+                    print(f"\ninterrupted: checkpoint of step {step} saved in {last_ckpt}; continue with --resume",
+                          file=sys.stderr)
+            raise
+        finally:
+            bar.close()
+            log.close()
 
-    val_loss = run_eval(step)
-    # Bytes are measured after training, when every state tensor exists.
-    sbytes = torch.tensor([state_bytes(optimizer)], dtype=torch.float64, device=device)
-    per_rank_state = int(sbytes.item())
-    all_reduce(sbytes, dctx)
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
-    all_reduce(rss, dctx, op=torch.distributed.ReduceOp.MAX)
-    save(step)
+        # A Ctrl-C from here on waits for the finished run to be evaluated and saved.
+        val_loss = run_eval(step)
+        # Bytes are measured after training, when every state tensor exists.
+        sbytes = torch.tensor([state_bytes(optimizer)], dtype=torch.float64, device=device)
+        per_rank_state = int(sbytes.item())
+        all_reduce(sbytes, dctx)
+        rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
+        all_reduce(rss, dctx, op=torch.distributed.ReduceOp.MAX)
+        save(step)
     summary = {
         "optimizer": cfg.optimizer,
         "optimizer_name": opt_info["name"],

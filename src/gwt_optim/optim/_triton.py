@@ -1,0 +1,575 @@
+r"""The GWT-AdamW Haar step as multi-tensor Triton kernels (the ``"triton"`` backend).
+
+All GWT-AdamW parameters of one *bucket* -- one block size :math:`b = 2^l`,
+weight dtype, gradient dtype, moment dtype and set of step scalars -- step in
+three launches, whatever their number and shapes:
+
+phase 1 (grid: chunks)
+    Each program owns one chunk: a range of ``TB`` consecutive blocks (rows of
+    the moment matrices) of one tensor, found through a chunk table and a
+    pointer table (int64 addresses and int64 offsets: a 28M-entry embedding
+    is a real case). It writes the chunk's partial :math:`\|M d\|^2` of the
+    *new* moments, and its count of non-finite gradient entries, but stores
+    nothing else: a parameter whose gradient has a NaN/Inf anywhere must keep
+    its moments, and a chunk cannot know that about the other chunks.
+limiter (grid: parameters)
+    Sums each parameter's chunk partials in a fixed order (deterministic, no
+    atomics), computes the limiter's :math:`r` and the new :math:`s` on the
+    device (``state["limiter_norm"]``, a 0-d tensor, is written in place), and
+    leaves :math:`1/r` and a skip flag per parameter. Skipped parameters are
+    counted on the device (``step_many`` returns the count).
+phase 2 (grid: chunks)
+    Recomputes :math:`A` and the new moments from :math:`G`, :math:`M`,
+    :math:`V` (as the Inductor backend does: about 22 bytes per fp32
+    parameter at level 2, against fused AdamW's 28), stores the moments and
+    :math:`W \leftarrow W (1 - \eta\lambda) - s\,(h M_k d_k +
+    \mathrm{clip}((G_i - h A_k) d_k, -c, c))`, :math:`s = \eta c_t \alpha / r`.
+
+Every changing scalar (learning rate, bias corrections, weight decay, the
+detail clip) is a kernel argument, so nothing recompiles from step to step,
+and nothing reads device memory on the host: ``step()`` does not synchronize.
+The pointer and chunk tables are cached per bucket and rebuilt when a pointer
+or shape changes (a new gradient tensor, ``load_state_dict``); a rebuild is
+one pinned, non-blocking host-to-device copy.
+
+Precision: fp32 compute; fp32, bf16 and fp16 weights and gradients; fp32 and
+bf16 moments. bf16 values are read and written as their bits and rounded to
+nearest even by integer operations: Triton's interpreter truncates on
+``.to(tl.bfloat16)``, and the bit version is the same on a GPU.
+
+Level 0 (:math:`b = 1`) is plain AdamW on the same kernels (:math:`A = G`, no
+details), which is how level-0 and 1-D parameters step on CUDA.
+
+With ``TRITON_INTERPRET=1`` in the environment *when this module is first
+imported*, the kernels run in Triton's interpreter on CPU tensors (the tests do
+this); otherwise the backend takes CUDA tensors only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+__all__ = ["TritonBackend", "DEFAULT_CHUNK", "MAX_LEVEL"]
+
+# Decided at import, as Triton decides it for the kernels below.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Entries of W per phase program (a power of two): big enough to amortize the
+# table lookups, small enough for registers.
+DEFAULT_CHUNK = 4096
+# A block is one row of a phase program's tile; 2^10 entries still fit.
+MAX_LEVEL = 10
+# Chunk partials summed per iteration of the limiter's loop.
+_LIMITER_BLOCK = 1024
+
+# Codes for the kernels' constexpr dtype arguments (ints, so that any Triton
+# version specializes on them the same way).
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MOMENT_KINDS = (torch.float32, torch.bfloat16)
+# Columns of the pointer table and of the geometry table (constexpr: kernels
+# may read no other globals).
+_W, _G, _M, _V, _S = (tl.constexpr(i) for i in range(5))
+_N, _NB, _NBLOCKS, _FIRST, _COUNT = (tl.constexpr(i) for i in range(5))
+_COLS = tl.constexpr(5)
+
+
+# -------------------------------------------------------------- kernels --- #
+
+
+@triton.jit
+def _typed(addr, KIND: tl.constexpr):
+    """An int64 address as a pointer of the storage type of dtype code KIND."""
+    if KIND == 0:
+        p = addr.to(tl.pointer_type(tl.float32))
+    elif KIND == 2:
+        p = addr.to(tl.pointer_type(tl.float16))
+    else:  # bf16 travels as its bits; see _to_f32 / _from_f32
+        p = addr.to(tl.pointer_type(tl.uint16))
+    return p
+
+
+@triton.jit
+def _to_f32(x, KIND: tl.constexpr):
+    if KIND == 1:
+        y = (x.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _from_f32(x, KIND: tl.constexpr):
+    if KIND == 1:
+        # Round to nearest even on the bits, as torch does; NaN would carry
+        # into the sign and exponent, so it becomes torch's canonical 0x7FC0.
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        y = tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+    elif KIND == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _tile(ptrs, geom, chunk_tensor, skip, pid, B: tl.constexpr, TB: tl.constexpr, G_KIND: tl.constexpr,
+          SKIPPABLE: tl.constexpr):
+    """This program's chunk: its tensor, block ids, masks, offsets and gradient tile.
+    With SKIPPABLE, a parameter flagged in ``skip`` gets all-false masks."""
+    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    n = tl.load(geom + t * _COLS + _N)
+    nb = tl.load(geom + t * _COLS + _NB)
+    nblocks = tl.load(geom + t * _COLS + _NBLOCKS)
+    if SKIPPABLE:
+        # Folded into the bound, not and-ed into the masks: the interpreter
+        # rejects a mask made from a scalar and a vector condition.
+        nblocks = tl.where(tl.load(skip + t) == 0, nblocks, 0)
+    first = tl.load(geom + t * _COLS + _FIRST)
+    q = (pid - first) * TB + tl.arange(0, TB)  # int64 block ids (rows of M)
+    qmask = q < nblocks
+    row = q // nb
+    col = (q - row * nb)[:, None] * B + tl.arange(0, B)[None, :]
+    # The last block of a row is partial when b does not divide n: its
+    # missing entries are the zero padding of the transform.
+    emask = qmask[:, None] & (col < n)
+    off = row[:, None] * n + col
+    g_ptr = _typed(tl.load(ptrs + t * _COLS + _G), G_KIND)
+    g = _to_f32(tl.load(g_ptr + off, mask=emask, other=0), G_KIND)
+    return t, q, qmask, emask, off, g
+
+
+@triton.jit
+def _moments(m, v, A, w1, beta2, w2):
+    # torch.lerp's two-sided formula, as the eager path's lerp_ computes it.
+    m = tl.where(w1 < 0.5, m + w1 * (A - m), A - (A - m) * (1.0 - w1))
+    v = v * beta2 + w2 * A * A
+    return m, v
+
+
+@triton.jit
+def _phase1_kernel(
+    ptrs, geom, chunk_tensor, partial, flags,
+    h, w1, beta2, w2, eps2,
+    B: tl.constexpr, TB: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, LIMITED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, flags, pid, B, TB, G_KIND, False)
+    bad = (g != g) | (tl.abs(g) == float("inf"))
+    tl.store(flags + pid, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+    if LIMITED:
+        A = tl.sum(g, axis=1) * h
+        m = _to_f32(tl.load(_typed(tl.load(ptrs + t * _COLS + _M), M_KIND) + q, mask=qmask, other=0), M_KIND)
+        v = _to_f32(tl.load(_typed(tl.load(ptrs + t * _COLS + _V), M_KIND) + q, mask=qmask, other=0), M_KIND)
+        m, v = _moments(m, v, A, w1, beta2, w2)
+        den = tl.sqrt_rn(v) + eps2
+        u = tl.where(qmask & (den > 0), tl.div_rn(m, tl.where(den > 0, den, 1.0)), 0.0)
+        tl.store(partial + pid, tl.sum(u * u, axis=0))
+
+
+@triton.jit
+def _limiter_kernel(
+    ptrs, geom, partial, flags, inv_r, skip, norm_sq, skipped,
+    gamma, limiter_eps, first,
+    RB: tl.constexpr, MODE: tl.constexpr,
+):
+    """MODE 0: no limiter; 1: the limiter; 2: only reduce (norm_sq and skip, for
+    a caller that runs the limiter itself: FSDP2's all-reduce sits in between)."""
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(geom + t * _COLS + _FIRST)
+    count = tl.load(geom + t * _COLS + _COUNT)
+    acc = tl.zeros([RB], dtype=tl.float32)
+    bad = tl.zeros([RB], dtype=tl.int32)
+    for i in range(0, count, RB):
+        idx = i + tl.arange(0, RB)
+        mask = idx < count
+        bad += tl.load(flags + start + idx, mask=mask, other=0)
+        if MODE != 0:
+            acc += tl.load(partial + start + idx, mask=mask, other=0.0)
+    is_bad = tl.sum(bad, axis=0) > 0
+    tl.store(skip + t, is_bad.to(tl.int32))
+    if MODE != 2:
+        tl.atomic_add(skipped, is_bad.to(tl.int64), mask=is_bad)
+    if MODE == 1:
+        norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+        s_ptr = tl.load(ptrs + t * _COLS + _S).to(tl.pointer_type(tl.float32))
+        s = tl.load(s_ptr)
+        r = tl.maximum(norm / (s + limiter_eps), gamma) / gamma
+        # No norm recorded yet (step 1, or only skipped steps so far): record it.
+        r = tl.where((first != 0.0) | (s <= 0.0), 1.0, r)
+        tl.store(s_ptr, norm / r, mask=~is_bad)
+        tl.store(inv_r + t, 1.0 / r)
+    elif MODE == 2:
+        tl.store(norm_sq + t, tl.sum(acc, axis=0))
+    else:
+        tl.store(inv_r + t, 1.0)
+
+
+@triton.jit
+def _phase2_kernel(
+    ptrs, geom, chunk_tensor, inv_r, skip,
+    h, w1, beta2, w2, eps2, scale, decay, clip,
+    B: tl.constexpr, TB: tl.constexpr, W_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # A skipped parameter (non-finite gradient) keeps W, M and V.
+    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, skip, pid, B, TB, G_KIND, True)
+    A = tl.sum(g, axis=1) * h
+    m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND) + q
+    v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND) + q
+    m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
+    v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
+    m, v = _moments(m, v, A, w1, beta2, w2)
+    tl.store(m_ptr, _from_f32(m, M_KIND), mask=qmask)
+    tl.store(v_ptr, _from_f32(v, M_KIND), mask=qmask)
+    den = tl.sqrt_rn(v) + eps2
+    d = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
+    detail = (g - (h * A)[:, None]) * d[:, None]
+    detail = tl.minimum(tl.maximum(detail, -clip), clip)
+    delta = (h * m * d)[:, None] + detail
+    s = scale * tl.load(inv_r + t)
+    w_ptr = _typed(tl.load(ptrs + t * _COLS + _W), W_KIND) + off
+    w = _to_f32(tl.load(w_ptr, mask=emask, other=0), W_KIND)
+    tl.store(w_ptr, _from_f32(w * decay - s * delta, W_KIND), mask=emask)
+
+
+# Launches go through these three functions only, so that a test can count them.
+
+
+def _launch_phase1(grid, *args, **meta) -> None:
+    _phase1_kernel[grid](*args, **meta)
+
+
+def _launch_limiter(grid, *args, **meta) -> None:
+    _limiter_kernel[grid](*args, **meta)
+
+
+def _launch_phase2(grid, *args, **meta) -> None:
+    _phase2_kernel[grid](*args, **meta)
+
+
+# ------------------------------------------------------------------ host --- #
+
+
+@dataclass
+class _Hyper:
+    """The scalars of one launch (the same for every parameter of a bucket)."""
+
+    h: float
+    w1: float
+    beta2: float
+    w2: float
+    eps2: float
+    gamma: float
+    first: float
+    clip: float
+
+
+@dataclass
+class _Bucket:
+    """The cached tables and workspaces of one set of parameters."""
+
+    device: torch.device
+    layout: tuple  # the shapes (and level) the geometry was built for
+    pointers: tuple  # the addresses the pointer table holds
+    geom: Tensor  # int64 (T, _COLS)
+    chunks: Tensor  # int32 (total chunks,): the tensor of each chunk
+    ptrs: Tensor | None  # int64 (T, _COLS)
+    partial: Tensor  # fp32 (total chunks,)
+    flags: Tensor  # int32 (total chunks,)
+    inv_r: Tensor  # fp32 (T,)
+    skip: Tensor  # int32 (T,)
+    norm_sq: Tensor  # fp32 (T,), MODE 2 only
+    n_chunks: int
+    n_tensors: int
+
+
+def _to_device(values: Tensor, device: torch.device) -> Tensor:
+    """A host table on the device without a host synchronization: staged in
+    pinned memory and copied asynchronously (the caching host allocator keeps
+    the staging buffer alive until the copy has run)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+class TritonBackend:
+    """GWT-AdamW's Haar step on multi-tensor Triton kernels.
+
+    ``step_many(items, limiter_eps)`` steps many parameters in three launches
+    per bucket (what :class:`~gwt_optim.optim._base.GWTOptimizer` calls for
+    batched backends); ``step_one(ps, scale, decay, limiter_eps)`` is the same
+    for one parameter (for stepping each weight as its gradient is ready);
+    ``phase1``/``phase2`` split the step around an external limiter (FSDP2).
+    """
+
+    name = "triton"
+    batched = True
+    detail_clip = True  # a kernel argument (+inf when off)
+
+    def __init__(self, chunk: int | None = None) -> None:
+        chunk = DEFAULT_CHUNK if chunk is None else chunk
+        if chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {chunk}")
+        self.chunk = chunk
+        self._buckets: dict[tuple, _Bucket] = {}
+        self._ready: set[tuple] = set()
+
+    # ------------------------------------------------------- selection --- #
+
+    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
+        return (
+            (w.device.type == "cuda" or (INTERPRET and w.device.type == "cpu"))
+            and G.device == w.device
+            and w.dtype in _KIND
+            and G.dtype in _KIND
+            and moment_dtype in _MOMENT_KINDS
+            and 0 <= level <= MAX_LEVEL
+            and G.shape == w.shape
+            and w.ndim >= 1
+            and w.is_contiguous()
+            and G.is_contiguous()
+        )
+
+    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
+        """Compile the kernels for this dtype combination and block size on
+        throw-away tensors, so that a compiler failure surfaces before any
+        optimizer state has changed."""
+        key = (w.device, w.dtype, G.dtype, moment_dtype, level)
+        if key in self._ready:
+            return
+        b = 1 << level
+        W = torch.zeros(3, b + 1, dtype=w.dtype, device=w.device)
+        g = torch.zeros_like(W, dtype=G.dtype)
+        nb = -(-(b + 1) // b)
+        state = {
+            "exp_avg": torch.zeros(3, nb, dtype=moment_dtype, device=w.device),
+            "exp_avg_sq": torch.zeros(3, nb, dtype=moment_dtype, device=w.device),
+            "limiter_norm": torch.zeros((), device=w.device),
+        }
+        group = {"betas": (0.9, 0.999), "eps": 1e-8, "norm_growth_limit": 1.01}
+        hyper = self._hyper(group, level, 2, limited=True)
+        for limited in (True, False):
+            bucket = self._bucket((("prepare", limited),), [(W, g, state)], level, limited)
+            count = torch.zeros((), dtype=torch.int64, device=w.device)
+            self._launch(bucket, hyper, level, (w.dtype, G.dtype, moment_dtype), 0.0, 1.0, limited, 1e-8, count)
+        self._ready.add(key)
+
+    # ----------------------------------------------------------- steps --- #
+
+    def step_many(self, items: list, limiter_eps: float) -> Tensor | list:
+        """Whole steps (phase 1, limiter, phase 2) of many parameters.
+
+        ``items`` holds ``(ps, scale, decay)``: a
+        :class:`~gwt_optim.optim._base.ParamStep` of a GWT-AdamW parameter,
+        ``scale`` = alpha * lr * bias correction and ``decay`` = 1 - lr *
+        weight_decay. Parameters sharing a bucket and all step scalars run in
+        one set of launches. Returns the number of parameters skipped for a
+        non-finite gradient as a 0-d int64 tensor on their device (read it
+        only when needed: reading synchronizes).
+        """
+        if not items:
+            return []
+        buckets: dict[tuple, list] = {}
+        for item in items:
+            ps, scale, decay = item
+            g = ps.group
+            key = (
+                ps.param.device, ps.level, ps.param.dtype, ps.grad.dtype, ps.state["exp_avg"].dtype,
+                ps.limited, ps.step, scale, decay, tuple(g["betas"]), g["eps"], g.get("detail_clip"),
+                g["norm_growth_limit"] if ps.limited else None,
+            )
+            buckets.setdefault(key, []).append(item)
+        counts: dict[torch.device, Tensor] = {}
+        for (device, level, wdt, gdt, mdt, limited, step, scale, decay, *_), bucket_items in buckets.items():
+            count = counts.get(device)
+            if count is None:
+                count = counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+            ps0 = bucket_items[0][0]
+            tensors = [(ps.param, ps.grad, ps.state) for ps, _, _ in bucket_items]
+            bucket = self._bucket(tuple(id(ps.param) for ps, _, _ in bucket_items), tensors, level, limited)
+            hyper = self._hyper(ps0.group, level, step, limited)
+            self._launch(bucket, hyper, level, (wdt, gdt, mdt), scale, decay, limited, limiter_eps, count)
+        if len(counts) == 1:
+            return next(iter(counts.values()))
+        first = next(iter(counts.values()))
+        return sum((c.to(first.device, non_blocking=True) for c in counts.values()), torch.zeros_like(first))
+
+    def step_one(self, ps, scale: float, decay: float, limiter_eps: float) -> Tensor:
+        """The whole step of one parameter on the same kernels (three launches);
+        returns 1 (skipped) or 0 as a 0-d int64 device tensor."""
+        return self.step_many([(ps, scale, decay)], limiter_eps)
+
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
+        """Phase 1 and the reduction of one parameter, for a caller that runs
+        the limiter itself: returns ``(norm_sq, carry)``, norm_sq a 0-d tensor."""
+        # Phase 1 never touches W (G stands in for it in this table) nor s.
+        bucket = self._bucket(("phase1", id(state)), [(G, G, state)], level, limited=False)
+        hyper = self._hyper(group, level, step, limited=False)
+        kinds = (G.dtype, G.dtype, state["exp_avg"].dtype)
+        self._launch_phase1(bucket, hyper, level, kinds, limited=True)
+        _launch_limiter(
+            (bucket.n_tensors,), bucket.ptrs, bucket.geom, bucket.partial, bucket.flags, bucket.inv_r, bucket.skip,
+            bucket.norm_sq, bucket.norm_sq, hyper.gamma, 0.0, hyper.first, RB=_LIMITER_BLOCK, MODE=2,
+        )
+        return bucket.norm_sq[0], (bucket, hyper, state)
+
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, scale: float, decay: float) -> None:
+        reduced, hyper, state = carry
+        # The phase-1 table pointed W at G (phase 1 does not know W); this one points at W.
+        bucket = self._bucket(("phase2", id(state)), [(w, G, state)], level, limited=False)
+        if isinstance(r, Tensor):
+            reduced.inv_r[0].copy_(r.reciprocal())
+        else:
+            reduced.inv_r[0].fill_(1.0 / r)
+        self._launch_phase2(bucket, hyper, level, (w.dtype, G.dtype, state["exp_avg"].dtype), scale, decay,
+                            reduced.inv_r, reduced.skip)
+
+    def invalidate(self) -> None:
+        """Forget every cached table (they are also rebuilt when a pointer changes)."""
+        self._buckets.clear()
+
+    # --------------------------------------------------------- helpers --- #
+
+    @staticmethod
+    def _hyper(group: dict, level: int, step: int, limited: bool) -> _Hyper:
+        beta1, beta2 = group["betas"]
+        clip = group.get("detail_clip")
+        return _Hyper(
+            h=2.0 ** (-level / 2),
+            w1=1.0 - beta1,
+            beta2=beta2,
+            w2=1.0 - beta2,
+            eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
+            gamma=float(group["norm_growth_limit"]) if limited else 1.0,
+            first=1.0 if step == 1 else 0.0,
+            clip=math.inf if clip is None else float(clip),
+        )
+
+    def _bucket(self, key: tuple, tensors: list, level: int, limited: bool) -> _Bucket:
+        """The cached tables for these (W, G, state) triples, rebuilt when a
+        shape or an address has changed."""
+        b = 1 << level
+        w0 = tensors[0][0]
+        layout = (level, limited, tuple(w.shape for w, _, _ in tensors))
+        pointers = tuple(
+            (w.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+             st["limiter_norm"].data_ptr() if limited else 0)
+            for w, g, st in tensors
+        )
+        bucket = self._buckets.get(key)
+        if bucket is not None and bucket.layout == layout and bucket.pointers == pointers:
+            return bucket
+        device = w0.device
+        self._validate(tensors, level, limited, device)
+        if bucket is None or bucket.layout != layout:
+            if len(self._buckets) > 4096:  # many single-parameter buckets of dead parameters
+                self._buckets.clear()
+            tb = max(1, self.chunk // b)
+            geom, counts, first = [], [], 0
+            for w, _, _ in tensors:
+                n = w.shape[-1]
+                nb = -(-n // b)
+                nblocks = (w.numel() // n) * nb if n else 0
+                count = -(-nblocks // tb)
+                geom += [n, nb, nblocks, first, count]
+                counts.append(count)
+                first += count
+            chunks = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), torch.tensor(counts))
+            total = max(first, 1)
+            bucket = _Bucket(
+                device=device, layout=layout, pointers=(),
+                geom=_to_device(torch.tensor(geom, dtype=torch.int64), device),
+                chunks=_to_device(chunks, device),
+                ptrs=None,
+                partial=torch.empty(total, dtype=torch.float32, device=device),
+                flags=torch.empty(total, dtype=torch.int32, device=device),
+                inv_r=torch.empty(len(tensors), dtype=torch.float32, device=device),
+                skip=torch.empty(len(tensors), dtype=torch.int32, device=device),
+                norm_sq=torch.empty(len(tensors), dtype=torch.float32, device=device),
+                n_chunks=first, n_tensors=len(tensors),
+            )
+        bucket.ptrs = _to_device(torch.tensor(pointers, dtype=torch.int64).reshape(-1), device)
+        bucket.pointers = pointers
+        self._buckets[key] = bucket
+        return bucket
+
+    @staticmethod
+    def _validate(tensors: list, level: int, limited: bool, device: torch.device) -> None:
+        """What the kernels assume of every tensor whose address they get."""
+        b = 1 << level
+        for w, g, st in tensors:
+            M, V = st["exp_avg"], st["exp_avg_sq"]
+            n = w.shape[-1] if w.ndim else 1
+            moment_shape = (*w.shape[:-1], -(-n // b))
+            problems = []
+            if g.shape != w.shape:
+                problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
+            for name, x in (("parameter", w), ("gradient", g), ("exp_avg", M), ("exp_avg_sq", V)):
+                if x.device != device:
+                    problems.append(f"{name} on {x.device}, not {device}")
+                if not x.is_contiguous():
+                    problems.append(f"{name} is not contiguous")
+            for name, x in (("exp_avg", M), ("exp_avg_sq", V)):
+                if tuple(x.shape) != moment_shape:
+                    problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
+            if M.dtype != V.dtype or M.dtype not in _MOMENT_KINDS:
+                problems.append(f"moments of dtypes {M.dtype}/{V.dtype}")
+            if w.dtype not in _KIND or g.dtype not in _KIND:
+                problems.append(f"parameter/gradient dtypes {w.dtype}/{g.dtype}")
+            if limited:
+                s = st.get("limiter_norm")
+                if not (isinstance(s, Tensor) and s.ndim == 0 and s.dtype == torch.float32 and s.device == device):
+                    problems.append("limiter_norm is not a 0-d float32 tensor on the parameter's device")
+            if problems:
+                raise ValueError(f"GWT-AdamW (triton): cannot step a parameter of shape {tuple(w.shape)}: "
+                                 + "; ".join(problems))
+
+    def _tb(self, level: int) -> int:
+        return max(1, self.chunk // (1 << level))
+
+    def _launch_phase1(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, limited: bool) -> None:
+        if bucket.n_chunks == 0:
+            bucket.flags.zero_()
+            bucket.partial.zero_()
+            return
+        _, gdt, mdt = kinds
+        _launch_phase1(
+            (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, bucket.partial, bucket.flags,
+            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2,
+            B=1 << level, TB=self._tb(level), G_KIND=_KIND[gdt], M_KIND=_KIND[mdt], LIMITED=limited,
+        )
+
+    def _launch_phase2(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float,
+                       decay: float, inv_r: Tensor, skip: Tensor) -> None:
+        if bucket.n_chunks == 0:
+            return
+        wdt, gdt, mdt = kinds
+        _launch_phase2(
+            (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, inv_r, skip,
+            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(scale), float(decay), hyper.clip,
+            B=1 << level, TB=self._tb(level), W_KIND=_KIND[wdt], G_KIND=_KIND[gdt], M_KIND=_KIND[mdt],
+        )
+
+    def _launch(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float, decay: float,
+                limited: bool, limiter_eps: float, count: Tensor) -> None:
+        self._launch_phase1(bucket, hyper, level, kinds, limited)
+        _launch_limiter(
+            (bucket.n_tensors,), bucket.ptrs, bucket.geom, bucket.partial, bucket.flags, bucket.inv_r, bucket.skip,
+            bucket.norm_sq, count, hyper.gamma, float(limiter_eps), hyper.first,
+            RB=_LIMITER_BLOCK, MODE=1 if limited else 0,
+        )
+        self._launch_phase2(bucket, hyper, level, kinds, scale, decay, bucket.inv_r, bucket.skip)
+
+
+def backend_info() -> dict[str, Any]:
+    """Versions, for benchmark reports."""
+    return {"triton": triton.__version__, "interpret": INTERPRET}

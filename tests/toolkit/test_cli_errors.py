@@ -1,0 +1,242 @@
+"""A user's mistake gets one line on stderr and exit code 2, never a traceback:
+optimizer specs, numbers, files, devices, checkpoints, report and memory, the
+offline Hub. Each case fails before any training where it can."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gwt_optim.cli import main
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err, err
+    assert lines, "no message on stderr"
+    assert lines[-1].startswith("gwt-optim "), err
+    return lines[-1]
+
+
+@pytest.fixture
+def tiny_argv(tiny_model, corpus, tmp_path):
+    def make(*extra: str, out: str | None = None) -> list[str]:
+        return ["pretrain", "--model", tiny_model, "--data", corpus, "--tokenizer", "bpe:320", "--seq-len", "32",
+                "--batch-size", "4", "--steps", "2", "--eval-every", "0", "--val-tokens", "512",
+                "--device", "cpu", "--no-progress", "--out", out or str(tmp_path / "run"), *extra]
+
+    return make
+
+
+# ----------------------------------------------------------------- optimizer specs
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nope", "unknown optimizer 'nope'"),
+    ("gwt-adamw:levle=2", "levle"),
+    ("gwt-adamw:level=abc", "level"),
+])
+def test_bad_optimizer_spec(tiny_argv, capsys, spec, words):
+    assert main(tiny_argv("--optimizer", spec)) == 2
+    assert words in _error(capsys)
+
+
+def test_compare_checks_every_spec_before_any_run_trains(tiny_argv, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--optimizers", "adamw,gwt-adamw:levle=2", *tiny_argv()[1:], "--out", str(out)]
+    assert main(argv) == 2
+    assert "levle" in _error(capsys)
+    assert not out.exists()
+
+
+def test_an_optimizers_own_value_error_is_one_line(tiny_argv, capsys):
+    # The registry accepts an integer level; the optimizer's constructor refuses 40.
+    assert main(tiny_argv("--optimizer", "gwt-adamw:level=40")) == 2
+    assert "level" in _error(capsys)
+
+
+# ------------------------------------------------------------------------ numbers
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--batch-size", "0"), ("--batch-size", "-2"), ("--seq-len", "0"), ("--lr", "-1"),
+    ("--steps", "0"), ("--steps", "-1"),
+])
+@pytest.mark.parametrize("command", ["pretrain", "compare"])
+def test_impossible_numbers(tiny_argv, tmp_path, capsys, command, flag, value):
+    argv = tiny_argv(flag, value)
+    argv[0] = command
+    assert main(argv) == 2
+    assert flag in _error(capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+# -------------------------------------------------------------------------- files
+
+
+def test_missing_data_file_fails_at_once_without_the_hub(tiny_model, tmp_path, capsys):
+    t0 = time.perf_counter()
+    # The default tokenizer (t5-base) is never looked for: the data is checked first.
+    assert main(["pretrain", "--model", tiny_model, "--data", str(tmp_path / "nope.txt"), "--out",
+                 str(tmp_path / "run"), "--device", "cpu"]) == 2
+    assert "nope.txt" in _error(capsys)
+    assert time.perf_counter() - t0 < 10
+
+
+def _write(path: Path, content: str | bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("binary.txt", bytes(range(256)) * 8, "binary"),
+    ("bad.jsonl", '{"text": "fine"}\n{"text": broken\n', "bad.jsonl:2"),
+    ("empty.txt", "", "empty"),
+    ("notext.jsonl", '{"body": "a"}\n', "'text'"),
+    ("list.jsonl", "[1, 2]\n", "'text'"),
+])
+def test_unusable_data_file(tiny_argv, tmp_path, capsys, name, content, words):
+    data = _write(tmp_path / "data" / name, content)
+    argv = tiny_argv()
+    argv[argv.index("--data") + 1] = data
+    assert main(argv) == 2
+    assert words in _error(capsys)
+
+
+def test_folder_without_text_files(tiny_argv, tmp_path, capsys):
+    _write(tmp_path / "data" / "table.csv", "a,b\n")
+    argv = tiny_argv()
+    argv[argv.index("--data") + 1] = str(tmp_path / "data")
+    assert main(argv) == 2
+    assert "found none" in _error(capsys)
+
+
+def test_missing_model(tiny_argv, tmp_path, capsys):
+    argv = tiny_argv()
+    argv[argv.index("--model") + 1] = str(tmp_path / "no-model")
+    assert main(argv) == 2
+    assert "--model" in _error(capsys)
+
+
+def test_out_in_the_way_of_a_file(tiny_argv, tmp_path, capsys):
+    _write(tmp_path / "file", "x")
+    assert main(tiny_argv(out=str(tmp_path / "file" / "run"))) == 2
+    assert "file" in _error(capsys)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes to read-only folders")
+def test_read_only_out(tiny_argv, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(tiny_argv(out=str(ro / "run"))) == 2
+        assert "permission denied" in _error(capsys)
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu(tiny_argv, capsys):
+    assert main(tiny_argv("--device", "cuda")) == 2
+    assert "--device cuda" in _error(capsys)
+
+
+def test_bad_config_file(tiny_argv, tmp_path, capsys):
+    bad = _write(tmp_path / "c.json", "{not json")
+    assert main(tiny_argv("--config", bad)) == 2
+    assert "c.json" in _error(capsys)
+
+
+# --------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture
+def saved_run(tiny_config, tmp_path):
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    from gwt_optim.toolkit.train import train
+
+    cfg = tiny_config(out=str(tmp_path / "saved"), steps=4, save_every=2, eval_every=0)
+    train(cfg)
+    return Path(cfg.out)
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(saved_run, capsys):
+    pt = saved_run / "checkpoints" / "step_00000004" / "rank0.pt"
+    pt.write_bytes(pt.read_bytes()[:1000])
+    assert main(["pretrain", "--out", str(saved_run), "--resume", "--steps", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "step_00000004 is unreadable" in err and "previous checkpoint" in err
+    assert (saved_run / "checkpoints" / "unreadable-step_00000004").is_dir()  # kept, not deleted
+    assert json.loads((saved_run / "summary.json").read_text())["steps"] == 5
+
+
+def test_empty_meta_json_everywhere_is_one_line(saved_run, capsys):
+    for meta in (saved_run / "checkpoints").glob("step_*/meta.json"):
+        meta.write_text("")
+    assert main(["pretrain", "--out", str(saved_run), "--resume"]) == 2
+    assert "no readable checkpoint" in _error(capsys)
+
+
+# ------------------------------------------------------------- report and memory
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["memory", "--models", "nope"], "nope"),
+    (["memory", "--optimizers", "nope"], "nope"),
+    (["memory", "--rank", "0"], "rank"),
+    (["memory", "--level", "40"], "level"),
+])
+def test_memory_mistakes(capsys, argv, words):
+    assert main(argv) == 2
+    assert words in _error(capsys)
+
+
+def test_report_on_an_empty_folder(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no summary.json" in _error(capsys)
+
+
+# ------------------------------------------------------------------ offline Hub
+
+
+def test_local_text_with_the_default_tokenizer_offline_says_so_at_once(monkeypatch, tiny_model, corpus, tmp_path,
+                                                                       capsys):
+    from gwt_optim.toolkit import data
+
+    monkeypatch.setattr(data, "_hub_reachable", lambda timeout=3.0: False)  # no network, HF_HUB_OFFLINE unset
+    t0 = time.perf_counter()
+    assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--out", str(tmp_path / "run"),
+                 "--device", "cpu", "--no-progress"]) == 2
+    assert time.perf_counter() - t0 < 15
+    line = _error(capsys)
+    assert "'t5-base'" in line and "--tokenizer bpe" in line
+
+
+# ------------------------------------------------------------ the entry point
+
+
+def test_the_installed_command_prints_one_line_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "gwt_optim", "pretrain", "--steps", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "gwt-optim pretrain: error: --steps must be an integer >= 1, got -1"
+
+
+def test_eight_bit_adam_prints_no_third_party_noise(tiny_argv, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    done = subprocess.run([sys.executable, "-m", "gwt_optim", *tiny_argv("--optimizer", "adam8bit")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "GWT_OPTIM_CACHE": os.environ["GWT_OPTIM_CACHE"]})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kernels-community" not in done.stderr + done.stdout
