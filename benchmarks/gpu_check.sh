@@ -24,6 +24,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=${GPU_CHECK_DRY:-0}
+# GPU_CHECK_SECTIONS=1 or =2,3 runs only those sections (benchmarks/device_session.sh
+# runs the correctness section beside a training sweep and times the step alone).
+SECTIONS=",${GPU_CHECK_SECTIONS:-1,2,3},"
+want() { [[ "$SECTIONS" == *",$1,"* ]]; }
 PY=""
 for cand in ${PYTHON:-} .venv/bin/python python3 python; do
   if command -v "$cand" >/dev/null 2>&1 &&
@@ -53,6 +57,7 @@ else
   GPU_NAME=$("$PY" -c 'import torch; print(torch.cuda.get_device_name())')
 fi
 
+if want 1; then
 {
   echo "# GWT-AdamW on $GPU_NAME"
   echo
@@ -277,7 +282,9 @@ print(f"\nFirst triton run incl. compilation: {first_s:.1f} s; torch {torch.__ve
 PYEOF
 status=$?
 [[ $status -eq 0 ]] || echo "triton check exited with status $status" >> "$REPORT"
+fi
 
+if want 2; then
 if [[ "$DRY" == 1 ]]; then
   CONFIGS=9m,smollm2; ONLY="AdamW fused,GWT-AdamW l=2"; ROUNDS=1; STEPS=1
 else
@@ -307,7 +314,9 @@ if [[ "$DRY" != 1 ]]; then
   status=$?
   [[ $status -eq 0 ]] || echo "step benchmark (levels) exited with status $status" >> "$REPORT"
 fi
+fi
 
+if want 3; then
 {
   echo
   echo "## 3. Older checks on $DEVICE"
@@ -407,6 +416,7 @@ print(f"\nFirst fused run incl. torch.compile: {compile_s:.1f} s; torch {torch._
 PYEOF
 status=$?
 [[ $status -eq 0 ]] || echo "correctness check exited with status $status" >> "$REPORT"
+fi
 fi
 
 cat "$REPORT"

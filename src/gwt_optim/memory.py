@@ -595,6 +595,7 @@ class TrainingEstimate:
     gradients: int  # alive at the peak: all of them, or the largest one in backward
     activations: int  # saved for backward, plus the loss's and one layer's backward buffers
     workspace: int  # the largest temporaries of one parameter's step
+    held_activations: int  # still held when the head (the first parameter in backward) is stepped
     step_in_backward: bool
     gradient_checkpointing: bool
     batch_size: int
@@ -603,23 +604,28 @@ class TrainingEstimate:
     @property
     def total(self) -> int:
         if self.step_in_backward:
-            # The head is stepped first in backward, while every activation is still held.
-            return self.weights + self.state + self.activations + self.gradients + self.workspace
-        # Normal: activations shrink as gradients grow; the step holds every gradient.
-        return self.weights + self.state + max(self.activations, self.gradients + self.workspace)
+            # The head is stepped first in backward, after the loss's buffers
+            # are gone but with every layer's activations still held.
+            step = self.held_activations + self.gradients + self.workspace
+        else:
+            # Activations shrink as gradients grow; the step holds every gradient.
+            step = self.gradients + self.workspace
+        return self.weights + self.state + max(self.activations, step)
 
     def parts(self) -> dict[str, int]:
         return {"weights": self.weights, "optimizer state": self.state, "gradients": self.gradients,
                 "activations": self.activations, "step workspace": self.workspace, "total": self.total}
 
 
-def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, checkpointing: bool) -> int:
+def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, checkpointing: bool) -> tuple[int, int]:
     """Bytes autograd saves for a Hugging Face LLaMA forward (sdpa attention),
     fitted to what ``saved_tensors_hooks`` records (tests/test_memory_training.py):
     per layer and token ab (10 h + 4 i) (norm inputs, q/k/v and rotated q/k,
     attention output, the MLP's gate, up, SiLU and product) plus fp32 copies
     of the norm inputs for low-precision weights; the final norm and
-    head's input (3 h); the fp32 log-softmax over the vocabulary."""
+    head's input (3 h); the fp32 log-softmax over the vocabulary. Returns the
+    peak and what is held when the head's gradient is complete (every layer's
+    activations and the logits' gradient)."""
     h, i, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     up = 0 if ab == 4 else 4  # an fp32 copy made from low-precision values
@@ -630,7 +636,8 @@ def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, che
     # Backward starts with the loss: the gradients of the log-probabilities and
     # the logits (fp32, plus the cast back); later each layer holds one layer's buffers.
     extra = max(V * (8 + (ab if ab != 4 else 0)), per_layer)
-    return batch * seq * (layers + rest + extra)
+    held = layers + rest - 4 * V + ab * V
+    return batch * seq * (layers + rest + extra), batch * seq * held
 
 
 def _step_workspace(t: TensorSpec, key: str, s: Settings) -> int:
@@ -691,14 +698,16 @@ def training_estimate(
     sdt = _resolve_dtype(state_dtype or dtype or (torch.bfloat16 if wb == 2 else torch.float32))
     settings = Settings(level=level, rank=1, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
     grads = max(t.numel for t in specs) * wb if step_in_backward else e.n_params * wb
+    activations, held = _activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing)
     return TrainingEstimate(
         model=e.model,
         optimizer=e.optimizer,
         weights=e.weight_bytes,
         state=e.state_bytes,
         gradients=grads,
-        activations=_activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing),
+        activations=activations,
         workspace=max(_step_workspace(t, e.optimizer, settings) for t in specs),
+        held_activations=held,
         step_in_backward=step_in_backward,
         gradient_checkpointing=gradient_checkpointing,
         batch_size=batch_size,

