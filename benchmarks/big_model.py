@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         rows += [(k, v, None) for k, v in est.parts().items() if k in ("gradients", "activations", "step workspace")]
     other = measured_peak - weight_bytes - state - (baseline if device.type == "cpu" else 0)
     rows.append(("gradients + activations + workspace (measured: the rest)",
-                 est.gradients + est.activations + est.workspace if est else None, other))
+                 est.total - est.weights - est.state if est else None, other))
     if device.type == "cpu":
         rows.append(("process baseline", baseline, baseline))
     rows.append(("peak " + ("GPU allocated" if device.type == "cuda" else "RSS in training"), predicted, measured_peak))

@@ -34,6 +34,7 @@ SWEEP_S=${SWEEP_S:-330}
 JOBS=${JOBS:-12}
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-unknown}
+case $CARRY in /*) ;; *) CARRY=$ROOT/$CARRY ;; esac
 WORK=${WORK:-/tmp/gwt-device-session}
 mkdir -p "$OUT" "$WORK"
 T0=$(date +%s)
@@ -46,7 +47,7 @@ if compgen -G "$CARRY/whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/gwt-site
 fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
-export GWT_OPTIM_CACHE="$ROOT/$CARRY/cache" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export GWT_OPTIM_CACHE="$CARRY/cache" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 "$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), sys.version.split()[0])"
 
@@ -75,7 +76,7 @@ pack
 # C. step time on a quiet GPU
 if [[ "$DEVICE" == cuda ]]; then
   stamp "C. step time"
-  GPU_CHECK_SECTIONS=2 OUT="$WORK/step" timeout 160 bash benchmarks/gpu_check.sh > "$OUT/check_step.md" 2>&1
+  GPU_CHECK_LEVELS=0 GPU_CHECK_SECTIONS=2 OUT="$WORK/step" bash benchmarks/gpu_check.sh > "$OUT/check_step.md" 2>&1
   stamp "C. done (exit $?)"
 fi
 
@@ -94,7 +95,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(f"{src}/{f}", dst)
 print("random SmolLM2-135M-shaped model:", sum(p.numel() for p in model.parameters()), "parameters")
 PYEOF
-FT_STEPS=${FT_STEPS:-40}
+FT_STEPS=${FT_STEPS:-30}
 timeout 170 "$PY" -m gwt_optim finetune lm --model "$SMOL" --data demo --methods adamw,gwt-adamw:level=2 \
   --lrs 1e-5 --steps "$FT_STEPS" --batch-size "${FT_BATCH:-8}" --seq-len "${FT_SEQ:-512}" --eval-batches 2 --device "$DEVICE" \
   --out "$WORK/finetune-lm" --no-progress > "$WORK/finetune_lm.log" 2>&1

@@ -302,7 +302,7 @@ for dtype in float32 bfloat16; do
   [[ $status -eq 0 ]] || echo "step benchmark ($dtype) exited with status $status" >> "$REPORT"
 done
 
-if [[ "$DRY" != 1 ]]; then
+if [[ "$DRY" != 1 && "${GPU_CHECK_LEVELS:-1}" != 0 ]]; then
   {
     echo
     echo "## 2b. Levels 1 and 3, and the Inductor backend it replaces (smollm2, fp32)"

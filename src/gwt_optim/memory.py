@@ -617,27 +617,29 @@ class TrainingEstimate:
                 "activations": self.activations, "step workspace": self.workspace, "total": self.total}
 
 
-def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, checkpointing: bool) -> tuple[int, int]:
+def _activation_bytes(cfg: Mapping[str, Any], batch: int, seq: int, ab: int, checkpointing: bool) -> tuple[int, int, int]:
     """Bytes autograd saves for a Hugging Face LLaMA forward (sdpa attention),
     fitted to what ``saved_tensors_hooks`` records (tests/test_memory_training.py):
     per layer and token ab (10 h + 4 i) (norm inputs, q/k/v and rotated q/k,
     attention output, the MLP's gate, up, SiLU and product) plus fp32 copies
     of the norm inputs for low-precision weights; the final norm and
-    head's input (3 h); the fp32 log-softmax over the vocabulary. Returns the
-    peak and what is held when the head's gradient is complete (every layer's
-    activations and the logits' gradient)."""
+    head's input (3 h); the fp32 log-softmax over the vocabulary. Returns what
+    the forward saves, the peak, and what is held when the head's gradient is
+    complete (every layer's activations and the logits' gradient)."""
     h, i, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     up = 0 if ab == 4 else 4  # an fp32 copy made from low-precision values
     per_layer = ab * (10 * h + 4 * i) + up * h + 4 * H + 8
     # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
-    layers = L * ab * h + per_layer if checkpointing else L * per_layer
+    layers = L * ab * h if checkpointing else L * per_layer
     rest = ab * 3 * h + up * h + 4 * V + 276
+    saved = layers + rest
     # Backward starts with the loss: the gradients of the log-probabilities and
-    # the logits (fp32, plus the cast back); later each layer holds one layer's buffers.
-    extra = max(V * (8 + (ab if ab != 4 else 0)), per_layer)
-    held = layers + rest - 4 * V + ab * V
-    return batch * seq * (layers + rest + extra), batch * seq * held
+    # the logits (fp32, plus the cast back); later each layer holds one layer's
+    # buffers (and its recomputed activations, under checkpointing).
+    extra = max(V * (8 + (ab if ab != 4 else 0)), per_layer * (2 if checkpointing else 1))
+    held = saved - 4 * V + ab * V
+    return batch * seq * saved, batch * seq * (saved + extra), batch * seq * held
 
 
 def _step_workspace(t: TensorSpec, key: str, s: Settings) -> int:
@@ -698,7 +700,7 @@ def training_estimate(
     sdt = _resolve_dtype(state_dtype or dtype or (torch.bfloat16 if wb == 2 else torch.float32))
     settings = Settings(level=level, rank=1, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
     grads = max(t.numel for t in specs) * wb if step_in_backward else e.n_params * wb
-    activations, held = _activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing)
+    _, activations, held = _activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing)
     return TrainingEstimate(
         model=e.model,
         optimizer=e.optimizer,
@@ -806,10 +808,58 @@ def memory_table(
     return "\n".join(lines)
 
 
+def training_table(
+    models: Iterable[str],
+    optimizers: Iterable[str],
+    *,
+    level: int = 2,
+    dtype: str = "bf16",
+    state_dtype: str | None = None,
+    batch_size: int = 1,
+    seq_len: int = 256,
+    gradient_checkpointing: bool = False,
+    step_in_backward: bool = False,
+    recipe: str = "paper",
+) -> str:
+    """Markdown: the peak of one training step by part (:func:`training_estimate`)."""
+    cols = []
+    for m in models:
+        for name in optimizers:
+            key = ALIASES.get(name, name)
+            # GWT keeps fp32 moments unless told; other optimizers keep the weights' dtype.
+            sd = state_dtype if state_dtype and (state_dtype != "int8" or key == "gwt-adamw") else None
+            sd = sd or ("fp32" if key.startswith("gwt-") else dtype)
+            e = training_estimate(
+                m, key, level=level, dtype=dtype, state_dtype=sd, batch_size=batch_size, seq_len=seq_len,
+                gradient_checkpointing=gradient_checkpointing, step_in_backward=step_in_backward, recipe=recipe,
+            )
+            label = f"{m.upper()} {key}" + (f" (l={level})" if ESTIMATORS[key].uses_level else "") + f", {sd} state"
+            cols.append((label, e.parts()))
+    mode = ("step in backward" if step_in_backward else "normal step") + (
+        ", gradient checkpointing" if gradient_checkpointing else "")
+    lines = [
+        f"Peak of one training step, GB (10^9 bytes): {dtype} weights, batch {batch_size} x {seq_len}, {mode}. "
+        "Add the process's own baseline (Python, torch, transformers: about 0.5 GB on CPU).",
+        "",
+        "| part | " + " | ".join(label for label, _ in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for part in cols[0][1]:
+        lines.append(f"| {part} | " + " | ".join(f"{parts[part] / _GB:.2f}" for _, parts in cols) + " |")
+    return "\n".join(lines)
+
+
 def _run(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    text = memory_table(models, optimizers, level=args.level, rank=args.rank, dtype=args.dtype, recipe=args.recipe)
+    if args.peak:
+        text = training_table(
+            models, optimizers, level=args.level, dtype=args.dtype, state_dtype=args.state_dtype,
+            batch_size=args.batch_size, seq_len=args.seq_len, gradient_checkpointing=args.checkpointing,
+            step_in_backward=args.step_in_backward, recipe=args.recipe,
+        )
+    else:
+        text = memory_table(models, optimizers, level=args.level, rank=args.rank, dtype=args.dtype, recipe=args.recipe)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -841,4 +891,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bf16", help="weight and state dtype (default bf16, the papers' convention)")
     p.add_argument("--recipe", default="paper", choices=("paper", "hidden"), help="which weights get the transform")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
+    g = p.add_argument_group("training peak (--peak): weights, state, gradients, activations, step temporaries")
+    g.add_argument("--peak", action="store_true", help="print the peak of a training step by part instead")
+    g.add_argument("--state-dtype", default=None,
+                   help="optimizer-state dtype (default: fp32 for GWT, the weights' for others; int8 for gwt-adamw)")
+    g.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    g.add_argument("--checkpointing", action="store_true", help="with gradient checkpointing")
+    g.add_argument("--step-in-backward", action="store_true", help="each parameter stepped inside backward")
     p.set_defaults(func=_run)

@@ -69,8 +69,14 @@ def test_sigint_at_random_moments_then_resume_is_bitwise_exact(tiny_config, tmp_
     train(full)
     # A step and a bit: signals land in every phase of a step, and in evaluations and saves.
     step_s = sorted(r["ms"] for r in read_jsonl(Path(full.out) / "metrics.jsonl") if "ms" in r)[20] / 1000
-    late = []  # a SIGINT that arrives after train() returned is recorded, not raised
-    previous = signal.signal(signal.SIGINT, lambda *a: late.append(1))
+    training = False
+
+    def like_python_while_training(signum, frame):
+        if training:  # Python's own handler, for whatever train() does not handle itself
+            raise KeyboardInterrupt
+        # a SIGINT that arrives after train() returned must not stop pytest
+
+    previous = signal.signal(signal.SIGINT, like_python_while_training)
     part = tiny_config(out=str(tmp_path / "part"), steps=40, eval_every=3, save_every=4)
     interrupts = attempts = 0
     try:
@@ -78,11 +84,13 @@ def test_sigint_at_random_moments_then_resume_is_bitwise_exact(tiny_config, tmp_
             attempts += 1
             sender = _SigintAfter(rng, 1.5 * step_s) if interrupts < 17 else None
             try:
+                training = True
                 train(part, callbacks=[sender] if sender else [])
                 break
             except KeyboardInterrupt:
                 interrupts += 1
             finally:
+                training = False
                 if sender:
                     sender.cancel()
             part.resume = True
@@ -131,7 +139,7 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
         assert proc.returncode in (0, 130), err
         if proc.returncode == 0:
             break  # finished before the signal: start over would be pointless
-        assert "interrupted: checkpoint of step" in err
+        assert "interrupted" in out + err
         interrupts += 1
         resume = ("--resume",)
     if proc.returncode == 130:
