@@ -204,7 +204,7 @@ _DTYPE_SUFFIX = {torch.float32: "float32", torch.float64: "float64"}
 class _Hyper(ctypes.Structure):
     """Mirror of ``gwt_hyper`` in ``_fused_cpu.c``."""
 
-    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay")]
+    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip")]
 
 
 class _Task(ctypes.Structure):
@@ -377,6 +377,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         p2 = getattr(lib, f"gwt_adamw_haar_phase2_{name}")
         p2.restype = None
         p2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
+        p2c = getattr(lib, f"gwt_adamw_haar_phase2_clip_{name}")
+        p2c.restype = None
+        p2c.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
         steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
         steps.restype = None
         steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
@@ -419,14 +422,21 @@ def native_library() -> ctypes.CDLL:
 _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
+def _clip(group: dict) -> float:
+    """detail_clip as the kernels take it: 0 when off."""
+    clip = group.get("detail_clip")
+    return 0.0 if clip is None else float(clip)
+
+
 class _NativeCarry:
     """What native phase 1 leaves for phase 2: the (d, t) workspace, as the
     buffer holding it and two addresses, and the hyperparameters."""
 
-    __slots__ = ("buffer", "d", "t", "hyper", "__weakref__")
+    __slots__ = ("buffer", "d", "t", "hyper", "m", "__weakref__")
 
-    def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper) -> None:
-        self.buffer, self.d, self.t, self.hyper = buffer, d, t, hyper
+    def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper, m: int) -> None:
+        # m: the first moment's address, which the clipped phase 2 reads
+        self.buffer, self.d, self.t, self.hyper, self.m = buffer, d, t, hyper, m
 
 
 class NativeBackend:
@@ -439,11 +449,13 @@ class NativeBackend:
 
     name = "native"
     batched = True
+    detail_clip = True  # a hyperparameter of phase 2 (0 when off)
 
     def __init__(self) -> None:
         lib = native_library()
         self._phase1 = {dt: getattr(lib, f"gwt_adamw_haar_phase1_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
+        self._phase2_clip = {dt: getattr(lib, f"gwt_adamw_haar_phase2_clip_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
@@ -518,6 +530,7 @@ class NativeBackend:
                     eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
                     scale=scale,
                     decay=decay,
+                    clip=_clip(group),
                 )
                 ws_numel = max(ws_numel, 2 * M.numel())
             # One parameter per thread when there are enough to share out and
@@ -552,11 +565,12 @@ class NativeBackend:
             w1=1.0 - beta1,
             beta2=beta2,
             eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
+            clip=_clip(group),
         )
         norm_sq = self._phase1[G.dtype](
             G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
         )
-        carry = _NativeCarry(buf, d, t, hyper)
+        carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
         if shared:
             self._owner[G.dtype] = weakref.ref(carry)
         return norm_sq, carry
@@ -568,9 +582,15 @@ class NativeBackend:
         hyper = carry.hyper
         hyper.scale = scale / float(r)
         hyper.decay = decay
-        self._phase2[w.dtype](
-            w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
-        )
+        threads = self._threads(numel, rows)
+        if hyper.clip > 0:
+            self._phase2_clip[w.dtype](
+                w.data_ptr(), G.data_ptr(), carry.m, carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
+            )
+        else:
+            self._phase2[w.dtype](
+                w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
+            )
         owner = self._owner.get(w.dtype)
         if owner is not None and owner() is carry:
             del self._owner[w.dtype]

@@ -13,6 +13,8 @@
  *            t_k = h (M_k - A_k) d_k
  *            returns sum_k (M_k d_k)^2, the limiter's squared norm
  *   phase 2  W = W * decay - step * coef * (G d_k + t_k) on block k
+ *            or, with detail_clip c, with u_k = h M_k d_k:
+ *            W = W * decay - step * coef * (u_k + clamp(G d_k + t_k - u_k, -c, c))
  *
  * which is the closed form of the inverse transform in _base._haar_delta
  * with q = coef d and c = coef t. d and t are an A-sized workspace the caller
@@ -49,6 +51,7 @@ typedef struct {
     double eps2;  /* eps * sqrt(1 - beta2^t): torch AdamW's eps after bias correction */
     double scale; /* step * coef: lr * bias correction * alpha / r (phase 2) */
     double decay; /* 1 - lr * weight_decay (phase 2) */
+    double clip;  /* detail_clip: clamp of the normalized details (phase 2); 0 = off */
 } gwt_hyper;
 
 /* One parameter's whole step for gwt_adamw_haar_steps_*. */
@@ -293,6 +296,55 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
         }                                                                          \
     }
 
+/* Phase 2 with detail_clip, any block size: G d_k + t_k - u_k is the
+ * normalized detail (G - mean_k) / den_k, clamped before the approximation
+ * part u_k is added back. u_k needs M, so this one reads the moment too. */
+#define DEFINE_PHASE2_CLIP_ROW(T, NAME)                                             \
+    static void phase2_clip_row_##NAME(T *restrict w, const T *restrict g,         \
+                                       const T *restrict m, const T *restrict d,   \
+                                       const T *restrict t, int64_t nblocks,       \
+                                       int64_t n, int64_t b, const gwt_hyper *hp) { \
+        const T sc = (T)hp->scale, decay = (T)hp->decay, h = (T)hp->h;             \
+        const T c = (T)hp->clip;                                                   \
+        if (b >= 16) { /* the block is long enough to be the vector */             \
+            for (int64_t k = 0; k < nblocks; ++k) {                                \
+                const T dk = d[k], uk = h * m[k] * dk, shift = t[k] - uk;          \
+                const int64_t j0 = k * b, j1 = MIN(j0 + b, n);                     \
+                _Pragma("omp simd")                                                \
+                for (int64_t j = j0; j < j1; ++j) {                                \
+                    T x = g[j] * dk + shift;                                       \
+                    x = x > c ? c : (x < -c ? -c : x);                             \
+                    w[j] = w[j] * decay - sc * (uk + x);                           \
+                }                                                                  \
+            }                                                                      \
+            return;                                                                \
+        }                                                                          \
+        /* small blocks: spread each chunk's per-block factors to entries first */ \
+        T de[CHUNK * 8], se[CHUNK * 8], ue[CHUNK * 8];                             \
+        const int64_t per = (CHUNK * 8) / b;                                       \
+        for (int64_t k0 = 0; k0 < nblocks; k0 += per) {                           \
+            const int64_t nk = MIN(per, nblocks - k0);                             \
+            const int64_t ne = MIN(nk * b, n - k0 * b);                            \
+            for (int64_t k = 0; k < nk; ++k) {                                     \
+                const T dk = d[k0 + k], uk = h * m[k0 + k] * dk;                   \
+                const T shift = t[k0 + k] - uk;                                    \
+                for (int64_t j = 0; j < b; ++j) {                                  \
+                    de[k * b + j] = dk;                                            \
+                    se[k * b + j] = shift;                                         \
+                    ue[k * b + j] = uk;                                            \
+                }                                                                  \
+            }                                                                      \
+            T *wc = w + k0 * b;                                                    \
+            const T *gc = g + k0 * b;                                              \
+            _Pragma("omp simd")                                                    \
+            for (int64_t i = 0; i < ne; ++i) {                                     \
+                T x = gc[i] * de[i] + se[i];                                       \
+                x = x > c ? c : (x < -c ? -c : x);                                 \
+                wc[i] = wc[i] * decay - sc * (ue[i] + x);                          \
+            }                                                                      \
+        }                                                                          \
+    }
+
 #define DEFINE_ROWS(T, NAME, SIMD2, SIMD4, SIMD8, P2SIMD2, P2SIMD4)                 \
     DEFINE_SUMS_ROW(T, NAME##_2, 2, unused, SIMD2)                                 \
     DEFINE_SUMS_ROW(T, NAME##_4, 4, unused, SIMD4)                                 \
@@ -304,7 +356,8 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_4, 4, P2SIMD4)                              \
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_8, 8, NO_SIMD2)                             \
     DEFINE_PHASE2_ROW_NARROW(T, NAME##_16, 16, NO_SIMD2)                           \
-    DEFINE_PHASE2_ROW_WIDE(T, NAME##_any, b, b)
+    DEFINE_PHASE2_ROW_WIDE(T, NAME##_any, b, b)                                    \
+    DEFINE_PHASE2_CLIP_ROW(T, NAME)
 
 /* The exported entry points. g and w are contiguous (rows, n); m, v, d and t
  * contiguous (rows, ceil(n / 2^level)). Rows are split across nthreads
@@ -363,6 +416,16 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)")         \
         for (int64_t r = 0; r < rows; ++r)                                         \
             row(w + r * n, g + r * n, d + r * nb, t + r * nb, nb, tail, b, hp);    \
+    }                                                                              \
+    void gwt_adamw_haar_phase2_clip_##NAME(T *w, const T *g, const T *m,           \
+                                           const T *d, const T *t, int64_t rows,   \
+                                           int64_t n, int level,                   \
+                                           const gwt_hyper *hp, int nthreads) {    \
+        const int64_t b = (int64_t)1 << level, nb = (n + b - 1) / b;               \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")         \
+        for (int64_t r = 0; r < rows; ++r)                                         \
+            phase2_clip_row_##NAME(w + r * n, g + r * n, m + r * nb, d + r * nb,   \
+                                   t + r * nb, nb, n, b, hp);                      \
     }
 
 /* Whole steps of ntasks parameters. workspace holds 2 * rows * ceil(n / 2^level)
@@ -382,9 +445,15 @@ static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const f
         if (bad) return; /* the weight, moments and s stay as they were */         \
         gwt_hyper hp = task->hyper;                                                \
         hp.scale /= limiter_ratio(task, norm_sq);                                  \
-        gwt_adamw_haar_phase2_##NAME((T *)task->w, (const T *)task->g, d, t,       \
-                                     task->rows, task->n, task->level, &hp,        \
-                                     nthreads);                                    \
+        if (hp.clip > 0)                                                           \
+            gwt_adamw_haar_phase2_clip_##NAME((T *)task->w, (const T *)task->g,    \
+                                              (const T *)task->m, d, t,            \
+                                              task->rows, task->n, task->level,    \
+                                              &hp, nthreads);                      \
+        else                                                                       \
+            gwt_adamw_haar_phase2_##NAME((T *)task->w, (const T *)task->g, d, t,   \
+                                         task->rows, task->n, task->level, &hp,    \
+                                         nthreads);                                \
     }                                                                              \
     void gwt_adamw_haar_steps_##NAME(gwt_task *tasks, int ntasks, T *workspace,    \
                                      int64_t stride, int nthreads, int across,     \
