@@ -65,10 +65,11 @@ def count_fused(monkeypatch):
     [((3, 17), 1), ((2, 3, 9), 2), ((4, 1), 4), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
 )
 @pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
-def test_native_float64_matches_reference(shape, level, gamma, wd, count_fused):
+@pytest.mark.parametrize("clip", [0.5, None])  # the default, and the paper's update
+def test_native_float64_matches_reference(shape, level, gamma, wd, clip, count_fused):
     _native_or_skip()
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
-    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma)
+    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip)
     native, opt = _run(W0, grads, compile=True, **kw)
     reference, ref_opt = _run(W0, grads, impl="reference", **kw)
     assert count_fused == {"native": 4}
@@ -82,14 +83,15 @@ def test_native_float64_matches_reference(shape, level, gamma, wd, count_fused):
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two branches of torch's lerp
-def test_native_float32_simd_matches_float64_reference(level, beta1, count_fused):
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_native_float32_simd_matches_float64_reference(level, beta1, clip, count_fused):
     # Rows of 8 * 37 + 3 blocks: the 8-block SIMD loop, its remainder and a
     # zero-padded tail block. eps = 1 keeps den >= 0.03: a den near 0 would
     # amplify float32 rounding in the details of its block, in every path.
     _native_or_skip()
     n = (8 * 37 + 3) * 2**level - 1
     W0, grads = _problem((5, n), 5, torch.float64, seed=level)
-    kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level)
+    kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level, detail_clip=clip)
     got, _ = _run(W0.float(), [g.float() for g in grads], compile=True, **kw)
     want, _ = _run(W0.float().double(), [g.float().double() for g in grads], impl="reference", **kw)
     assert count_fused == {"native": 5}
@@ -197,7 +199,7 @@ def test_inductor_matches_eager_and_never_recompiles(count_fused):
 
     def train(compile):
         params = [torch.nn.Parameter(w.clone()) for w in W0]
-        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile=compile)
+        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile=compile, detail_clip=None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
         for t, gs in enumerate(grads):
             for p, g in zip(params, gs):

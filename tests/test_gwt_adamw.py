@@ -139,7 +139,7 @@ def test_matches_independent_float64_oracle(rows, n, level, gamma, wd, impl):
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd, level=level, scale=0.25, gamma=gamma)
     expected = numpy_gwt_adamw(W0, grads, **kw)
     got = run_torch(
-        lambda p: GWTAdamW(p, lr=1e-2, eps=1e-8, weight_decay=wd, level=level, scale=0.25,
+        lambda p: GWTAdamW(p, lr=1e-2, detail_clip=None, eps=1e-8, weight_decay=wd, level=level, scale=0.25,
                            norm_growth_limit=gamma, impl=impl),
         W0, grads,
     )
@@ -150,12 +150,12 @@ def test_equals_authors_update_as_eps_goes_to_zero():
     W0, grads = make_problem((6, 24), steps=5)
     authors = numpy_gwt_adamw(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=0.0, wd=0.0, level=2,
                               scale=0.25, gamma=1.01, authors=True)
-    ours = run_torch(lambda p: GWTAdamW(p, lr=1e-2, eps=0.0, level=2), W0, grads)
+    ours = run_torch(lambda p: GWTAdamW(p, lr=1e-2, eps=0.0, level=2, detail_clip=None), W0, grads)
     np.testing.assert_allclose(ours.numpy(), authors, rtol=1e-10, atol=1e-12)
     # ...and with eps > 0 the two conventions differ, as documented.
     authors_eps = numpy_gwt_adamw(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-3, wd=0.0, level=2,
                                   scale=0.25, gamma=1.01, authors=True)
-    ours_eps = run_torch(lambda p: GWTAdamW(p, lr=1e-2, eps=1e-3, level=2), W0, grads)
+    ours_eps = run_torch(lambda p: GWTAdamW(p, lr=1e-2, eps=1e-3, level=2, detail_clip=None), W0, grads)
     assert not np.allclose(ours_eps.numpy(), authors_eps, rtol=1e-10, atol=1e-12)
 
 
@@ -188,7 +188,7 @@ def test_detail_clip_matches_float64_oracle(impl, level, n, clip, gamma):
                                        detail_clip=clip, impl=impl), W0, grads)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-10, atol=1e-12)
     # the clip is active on these gradients, so the paper's update differs
-    paper = run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=level, norm_growth_limit=gamma,
+    paper = run_torch(lambda p: GWTAdamW(p, lr=1e-2, detail_clip=None, weight_decay=0.1, level=level, norm_growth_limit=gamma,
                                          impl=impl), W0, grads)
     assert not np.allclose(paper.numpy(), expected, rtol=1e-6)
 
@@ -215,11 +215,15 @@ def test_detail_clip_bounds_the_first_step(shape, level, dtype):
     assert worst[None] > 10 * lr  # the heavy tail the clip removes
 
 
-def test_detail_clip_defaults_to_the_paper_update_and_validates():
+def test_detail_clip_default_is_half_and_none_is_the_paper_update():
     W0, grads = make_problem((4, 16), steps=3)
     a = run_torch(lambda p: GWTAdamW(p, lr=1e-2), W0, grads)
-    b = run_torch(lambda p: GWTAdamW(p, lr=1e-2, detail_clip=None), W0, grads)
+    b = run_torch(lambda p: GWTAdamW(p, lr=1e-2, detail_clip=0.5), W0, grads)
     assert torch.equal(a, b)
+    paper = run_torch(lambda p: GWTAdamW(p, lr=1e-2, detail_clip=None), W0, grads)
+    expected = numpy_gwt_adamw(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.0, level=2, scale=0.25,
+                               gamma=1.01)
+    np.testing.assert_allclose(paper.numpy(), expected, rtol=1e-10, atol=1e-12)
     for bad in (0, -1.0, float("inf"), float("nan"), "0.5", True):
         with pytest.raises(ValueError, match="detail_clip"):
             GWTAdamW([torch.nn.Parameter(torch.zeros(2, 4))], detail_clip=bad)
@@ -244,7 +248,7 @@ def test_detail_clip_reaches_other_families_fast_equals_reference(family):
 def test_higher_dim_tensors_transform_along_the_last_axis():
     # A (2, 3, 8) weight is three independent (.., 8) rows per leading index.
     W0, grads = make_problem((2, 3, 8), steps=3)
-    got = run_torch(lambda p: GWTAdamW(p, lr=1e-2, level=2, norm_growth_limit=None), W0, grads)
+    got = run_torch(lambda p: GWTAdamW(p, lr=1e-2, level=2, norm_growth_limit=None, detail_clip=None), W0, grads)
     flat = numpy_gwt_adamw(W0.reshape(6, 8), [g.reshape(6, 8) for g in grads], lr=1e-2, betas=(0.9, 0.999),
                            eps=1e-8, wd=0.0, level=2, scale=0.25, gamma=None)
     np.testing.assert_allclose(got.numpy().reshape(6, 8), flat, rtol=1e-10)
@@ -257,7 +261,7 @@ def test_other_wavelets_run_and_reduce_loss(wavelet):
     W = torch.nn.Parameter(torch.zeros(8, 32))
     # Zero-padded longer filters leave small boundary approximations whose
     # denominators amplify details, so non-Haar wavelets need modest steps.
-    opt = GWTAdamW([W], lr=2e-2, level=2, wavelet=wavelet)
+    opt = GWTAdamW([W], lr=2e-2, level=2, wavelet=wavelet, detail_clip=None)
     losses = []
     for _ in range(80):
         opt.zero_grad()
@@ -329,7 +333,7 @@ def test_near_zero_approximation_keeps_update_finite_and_bounded(dtype):
     pattern = torch.tensor([1.0, -1.0, 1.0, -1.0]).repeat(8, 4)
     W = torch.nn.Parameter(torch.zeros(8, 16, dtype=dtype))
     W.grad = pattern.to(dtype)
-    opt = GWTAdamW([W], lr=lr, eps=eps, level=2, scale=0.25)
+    opt = GWTAdamW([W], lr=lr, eps=eps, level=2, scale=0.25, detail_clip=None)
     opt.step()
     assert opt.state[W]["exp_avg"].abs().max() == 0
     update = W.detach().float().abs().max().item()
@@ -340,7 +344,7 @@ def test_near_zero_approximation_keeps_update_finite_and_bounded(dtype):
     # A larger eps caps the gain proportionally, as documented.
     W2 = torch.nn.Parameter(torch.zeros(8, 16, dtype=dtype))
     W2.grad = pattern.to(dtype)
-    GWTAdamW([W2], lr=lr, eps=1e-6, level=2, scale=0.25).step()
+    GWTAdamW([W2], lr=lr, eps=1e-6, level=2, scale=0.25, detail_clip=None).step()
     ratio = update / W2.detach().float().abs().max().item()
     assert 90 < ratio < 110
 
@@ -348,18 +352,21 @@ def test_near_zero_approximation_keeps_update_finite_and_bounded(dtype):
 def test_eps_zero_with_zero_denominator_drops_details_instead_of_nan():
     W = torch.nn.Parameter(torch.zeros(2, 8))
     W.grad = torch.tensor([1.0, -1.0]).repeat(2, 4)
-    GWTAdamW([W], eps=0.0, level=1).step()
+    GWTAdamW([W], eps=0.0, level=1, detail_clip=None).step()
     assert torch.isfinite(W).all() and W.abs().max() == 0
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_loss_goes_down_on_a_small_network(level):
+@pytest.mark.parametrize("clip,ratio", [(None, 0.2), (0.5, 0.75)])
+def test_loss_goes_down_on_a_small_network(level, clip, ratio):
+    # Full-batch and noise-free, the details carry signal, which the default
+    # clip caps (docs/algorithm.md): slower here, as documented, but down.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
                                 torch.nn.GELU(), torch.nn.Linear(32, 4))
     x = torch.randn(128, 16)
     y = torch.sin(x[:, :4] * 2)
-    opt = GWTAdamW(model.parameters(), lr=1e-2, level=level)  # the paper's alpha = 0.25
+    opt = GWTAdamW(model.parameters(), lr=1e-2, level=level, detail_clip=clip)  # the paper's alpha = 0.25
     # Warm-up as in the paper: at t = 1 the details are divided by |A_l| of a
     # single gradient (V has no history yet), so full-size early steps overshoot.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 15))
@@ -372,7 +379,7 @@ def test_loss_goes_down_on_a_small_network(level):
         sched.step()
         first = loss.item() if first is None else first
         last = loss.item()
-    assert last < 0.2 * first
+    assert last < ratio * first
 
 
 def test_bf16_params_get_fp32_moments_and_track_fp32_training():

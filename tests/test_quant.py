@@ -30,7 +30,8 @@ def test_error_is_at_most_half_a_code_step_of_the_block_max(signed, shape):
     per_value_max = absmax.repeat_interleave(_quant.BLOCK, -1)[..., : shape[-1]]
     assert ((y - x).abs() <= half_step * per_value_max * (1 + 1e-5)).all()
     # The block's largest value is exact (the map holds +-1), and zeros stay zero.
-    assert torch.equal(absmax, torch.nn.functional.pad(x.abs(), (0, -shape[-1] % 256)).unflatten(-1, (-1, 256)).amax(-1))
+    padded = torch.nn.functional.pad(x.abs(), (0, -shape[-1] % 256))
+    assert torch.equal(absmax, padded.unflatten(-1, (-1, 256)).amax(-1))
     z, _ = _roundtrip(torch.zeros(shape), signed)
     assert torch.equal(z, torch.zeros(shape))
 

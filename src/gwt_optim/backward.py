@@ -75,7 +75,9 @@ class StepInBackward:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
-                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in more than one group or optimizer")
+                        raise ValueError(
+                            f"a parameter of shape {tuple(p.shape)} is in more than one group or optimizer"
+                        )
                     seen.add(id(p))
                     if _is_dtensor(p):
                         raise ValueError(

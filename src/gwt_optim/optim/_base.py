@@ -348,7 +348,10 @@ class GWTOptimizer(Optimizer):
             )
         state_dict = {
             **state_dict,
-            "param_groups": [{k: v for k, v in g.items() if k != "optimizer"} for g in saved_groups],
+            # A group saved before detail_clip existed ran the paper's update:
+            # it keeps doing so rather than taking today's default.
+            "param_groups": [{"detail_clip": None, **{k: v for k, v in g.items() if k != "optimizer"}}
+                             for g in saved_groups],
         }
         self._check_saved_state(state_dict)
         super().load_state_dict(state_dict)

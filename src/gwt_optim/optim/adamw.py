@@ -77,8 +77,9 @@ class GWTAdamW(GWTOptimizer):
         norm_growth_limit: :math:`\\gamma` of the limiter (1.01; ``None`` = off).
         detail_clip: clamp each normalized detail
             :math:`(G_i - \\bar G_k)/\\mathrm{den}_k` to ``[-c, c]`` before the
-            inverse (``None``, the default, is the paper's update); an opt-in
-            remedy for small-batch noise, see ``docs/algorithm.md``.
+            inverse (default 0.5, chosen by the fair protocol of
+            ``benchmarks/quality.py``; see ``docs/algorithm.md``).
+            ``detail_clip=None`` is the paper's update exactly.
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
             ``"bfloat16"`` to halve moment memory again, or ``"float64"``.
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
@@ -107,7 +108,7 @@ class GWTAdamW(GWTOptimizer):
         scale: float = 0.25,
         norm_growth_limit: float | None = 1.01,
         *,
-        detail_clip: float | None = None,
+        detail_clip: float | None = 0.5,
         moment_dtype: str | None = None,
         impl: str = "fast",
         compile: bool | None = None,

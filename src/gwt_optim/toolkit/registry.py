@@ -248,11 +248,27 @@ def gwt_group_options(cfg: OptimizerConfig) -> dict[str, Any]:
     }
 
 
+def _class_default(cls: type, name: str) -> Any:
+    """A keyword's default in an optimizer class: the registry mirrors it
+    rather than declaring a second one."""
+    import inspect
+
+    return inspect.signature(cls).parameters[name].default
+
+
+def _gwt_adamw_options() -> dict[str, Any]:
+    from gwt_optim.optim import GWTAdamW
+
+    # ``detail_clip=none`` in a spec selects the paper's update.
+    return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "compile": None}
+
+
 @register(
     "gwt-adamw",
     help="GWT-AdamW: Adam moments on Haar approximation coefficients "
-    "(level, wavelet, scale, norm_growth_limit, detail_clip, moment_dtype, compile)",
-    options={**GWT_OPTIONS, "compile": None},
+    "(level, wavelet, scale, norm_growth_limit, detail_clip (default 0.5; none = the paper's update), "
+    "moment_dtype, compile)",
+    options=_gwt_adamw_options(),
 )
 def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     from gwt_optim.groups import gwt_param_groups
