@@ -54,7 +54,10 @@ if str(ROOT / "src") not in sys.path:
 
 BAR_NATS = 0.03
 DEFAULT_LRS = "1e-3,3e-3,1e-2,3e-2"
-DEFAULT_CONTENDERS = ["adamw", "gwt-adamw:level=2", "galore:rank=32", "adam8bit", "muon", "gwt-muon:level=2"]
+# gwt-adamw's own default is detail_clip=0.5; ``detail_clip=none`` is the paper's update.
+DEFAULT_CONTENDERS = ["adamw", "gwt-adamw:level=2", "gwt-adamw:level=2:detail_clip=none", "galore:rank=32",
+                      "adam8bit", "muon", "gwt-muon:level=2"]
+PAPER = "detail_clip=none"
 REGIME_TOKENS = "2048,8192,32768"
 REGIME_LEVELS = "1,2,3"
 REGIME_EPS = "1e-8,1e-6"
@@ -141,11 +144,13 @@ def accepts(name: str, key: str) -> bool:
 
 
 def regime_specs(levels: Sequence[int], eps_values: Sequence[str]) -> list[str]:
-    """GWT-AdamW at each level and eps; the default eps is left out of the spec so the runs are shared."""
+    """GWT-AdamW in the paper's mode at each level and eps, and in its default mode (detail_clip 0.5) at each
+    level; the default eps is left out of the spec so the runs are shared."""
     specs = []
     for level in levels:
+        specs.append(f"gwt-adamw:level={level}")
         for eps in eps_values:
-            spec = f"gwt-adamw:level={level}"
+            spec = f"gwt-adamw:level={level}:{PAPER}"
             specs.append(spec if float(eps) == DEFAULT_EPS else f"{spec}:eps={eps}")
     return specs
 
@@ -660,7 +665,10 @@ def verdicts(s: dict[str, Any]) -> list[str]:
                    f"({'meets' if ok else 'MISSES'} the bar: better at equal or lower memory).")
     for c, t in C.items():  # remedies: a GWT spec with options beyond its level, against that level's plain spec
         name, opts = parse_spec(c)
-        base = format_spec(name, {"level": opts["level"]}) if "level" in opts else None
+        # a remedy is measured against the paper's update at its level
+        base = format_spec(name, {"level": opts["level"], "detail_clip": "none"}) if "level" in opts else None
+        if base is not None and base not in C:
+            base = format_spec(name, {"level": opts["level"]})
         if not name.startswith("gwt-") or base is None or base == c or base not in C:
             continue
         b, r = C[base].get("gap") or {}, t.get("gap") or {}
@@ -738,8 +746,9 @@ def regime_points(reports: Sequence[dict[str, Any]], specs: Sequence[str] | None
 
 def _plot_label(spec: str) -> str:
     name, opts = parse_spec(spec)
-    if name == "gwt-adamw" and set(opts) <= {"level", "eps"}:
-        return f"GWT-AdamW level {opts.get('level', 2)}, ε {opts.get('eps', '1e-8')}"
+    if name == "gwt-adamw" and set(opts) <= {"level", "eps", "detail_clip"}:
+        mode = "paper" if opts.get("detail_clip") == "none" else f"clip {opts.get('detail_clip', '0.5')}"
+        return f"GWT-AdamW level {opts.get('level', 2)}, {mode}, ε {opts.get('eps', '1e-8')}"
     return spec
 
 
@@ -763,9 +772,12 @@ def plot_regime(points: dict[str, list[tuple[int, float, float]]], path: Path, *
     n = len(points)
     for i, (spec, pts) in enumerate(sorted(points.items())):
         name, opts = parse_spec(spec)
-        plain = name == "gwt-adamw" and set(opts) <= {"level", "eps"}
+        paper = name == "gwt-adamw" and opts.get("detail_clip") == "none" and set(opts) <= {"level", "eps",
+                                                                                             "detail_clip"}
+        default = name == "gwt-adamw" and set(opts) <= {"level"}  # the library default: detail_clip 0.5
+        plain = paper or default
         color = colors.get(opts.get("level", "2"), "black") if plain else next(extra_colors)
-        style = ("--" if plain and "eps" in opts else "-") if plain else ":"
+        style = ("--" if "eps" in opts else "-") if paper else ":"
         # a small horizontal offset keeps overlapping error bars apart
         xs = [T * 2 ** (0.04 * (i - (n - 1) / 2)) for T, _, _ in pts]
         ax.errorbar(xs, [m for _, m, _ in pts], yerr=[sd for _, _, sd in pts], color=color, linestyle=style,

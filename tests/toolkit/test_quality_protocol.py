@@ -70,8 +70,10 @@ def test_specs_of_each_view():
     assert P.run_spec("gwt-adamw", "fair", lr=1, regular_lr=2, gwt_options="compile=false") == \
         "gwt-adamw:scale=1:regular_lr=2:compile=false"
     assert P.run_spec("muon", "fair", lr=1, regular_lr=2, gwt_options="compile=false") == "muon:scale=1:regular_lr=2"
+    # the library default (detail_clip 0.5) and the paper's update at each level and eps
     assert P.regime_specs([1, 2], ["1e-8", "1e-6"]) == [
-        "gwt-adamw:level=1", "gwt-adamw:level=1:eps=1e-6", "gwt-adamw:level=2", "gwt-adamw:level=2:eps=1e-6"]
+        "gwt-adamw:level=1", "gwt-adamw:level=1:detail_clip=none", "gwt-adamw:level=1:detail_clip=none:eps=1e-6",
+        "gwt-adamw:level=2", "gwt-adamw:level=2:detail_clip=none", "gwt-adamw:level=2:detail_clip=none:eps=1e-6"]
     assert P.with_baseline(["gwt-adamw:level=2", "adamw:lr=1e-3"]) == ["adamw", "gwt-adamw:level=2"]
 
 
