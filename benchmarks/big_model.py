@@ -182,9 +182,9 @@ def main(argv=None) -> int:
 
     baseline = current_rss_bytes()
 
-    from gwt_optim.toolkit.models import load_config
+    from gwt_optim.toolkit.models import load_model_config
 
-    vocab = max(load_config(args.model).vocab_size, int(max(int(b.max()) for b in batches)) + 1)
+    vocab = max(load_model_config(args.model).vocab_size, int(max(int(b.max()) for b in batches)) + 1)
     est = _estimate(args, name, options, vocab)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory

@@ -199,9 +199,9 @@ def test_gwt_state_on_transformed_weights_shrinks_by_2_pow_l():
 
 
 def test_skeleton_matches_transformers_llama():
-    from gwt_optim.memory import llama_skeleton, load_config
+    from gwt_optim.memory import llama_skeleton, load_config_json
 
-    cfg = load_config("60m")
+    cfg = load_config_json("60m")
     with torch.device("meta"):
         real = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     ours = llama_skeleton(cfg)

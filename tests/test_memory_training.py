@@ -48,9 +48,9 @@ def test_activation_model_matches_what_autograd_saves(dtype, checkpointing):
 
 def test_int8_state_estimate_equals_the_optimizer_to_the_byte():
     from gwt_optim import GWTAdamW, gwt_param_groups
-    from gwt_optim.memory import llama_skeleton, load_config
+    from gwt_optim.memory import llama_skeleton, load_config_json
 
-    cfg = {**load_config("llama_9m"), "vocab_size": 500}
+    cfg = {**load_config_json("llama_9m"), "vocab_size": 500}
     model = llama_skeleton(cfg).to_empty(device="cpu").to(torch.bfloat16)
     opt = GWTAdamW(list(gwt_param_groups(model, level=3)), moment_dtype="int8", compile=False)
     for p in model.parameters():

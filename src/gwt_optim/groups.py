@@ -193,7 +193,3 @@ def lr_scaled_groups(
     b = {"params": [p for _, p in split.regular], "lr": lr, **(regular_options or {})}
     split.groups = [g for g in (a, b) if g["params"]]
     return split
-
-
-def count_params(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() for p in params)

@@ -214,7 +214,7 @@ def test_local_text_with_the_default_tokenizer_offline_says_so_at_once(monkeypat
                                                                        capsys):
     from gwt_optim.toolkit import data
 
-    monkeypatch.setattr(data, "_hub_reachable", lambda timeout=3.0: False)  # no network, HF_HUB_OFFLINE unset
+    monkeypatch.setattr(data.tokenizers, "_hub_reachable", lambda timeout=3.0: False)  # no network, HF_HUB_OFFLINE unset
     t0 = time.perf_counter()
     assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--out", str(tmp_path / "run"),
                  "--device", "cpu", "--no-progress"]) == 2

@@ -83,7 +83,7 @@ def test_hub_loading_offline_fails_with_the_fix(monkeypatch):
     with pytest.raises(HubUnavailable, match="--data-dir"):
         glue.load_glue(glue.GLUE_TASKS["cola"], None)
     with pytest.raises(HubUnavailable, match="--model DIR"):
-        glue._load_tokenizer("roberta-base-gwt-test-not-cached")
+        glue._load_glue_tokenizer("roberta-base-gwt-test-not-cached")
 
 
 def test_local_data_in_glue_columns():

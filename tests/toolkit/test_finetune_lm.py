@@ -158,7 +158,7 @@ def test_unknown_lora_option_names_the_known_ones(tiny_llama):
 def test_smollm2_loads_from_its_package():
     source = lm.resolve_model("smollm2")
     assert source.gguf_file.endswith(".gguf")
-    tok = lm.load_tokenizer(source)
+    tok = lm.load_lm_tokenizer(source)
     model = lm.load_model(source, torch.device("cpu"))
     assert type(model).__name__ == "LlamaForCausalLM"
     ids = tok("In the beginning God created the heaven and the earth.", return_tensors="pt")["input_ids"]

@@ -70,23 +70,24 @@ def test_unreachable_tokenizer_fails_with_a_clear_message(monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(data.DataUnavailable, match="--tokenizer bpe"):
-        data.load_tokenizer("gwt-optim-tests/no-such-tokenizer", "demo")
+        data.load_pretrain_tokenizer("gwt-optim-tests/no-such-tokenizer", "demo")
 
 
 def test_bpe_trains_on_train_split_caches_and_round_trips(corpus, _shared_cache):
-    tok = data.load_tokenizer("bpe:320", corpus)
+    tok = data.load_pretrain_tokenizer("bpe:320", corpus)
     assert len(tok) == 320
     assert tok.eos_token == "</s>" and tok.pad_token == "<pad>"
     text = data.load_texts(corpus, "validation")[0]
     assert tok.decode(tok(text)["input_ids"]) == text  # byte-level: lossless
-    cached = list((_shared_cache / "tokenizers").glob("*-bpe320-*.json"))
+    assert data.cache_dir() == _shared_cache / "data"  # the one cache rule: $GWT_OPTIM_CACHE/<kind>
+    cached = list((data.cache_dir() / "tokenizers").glob("*-bpe320-*.json"))
     assert cached
-    again = data.load_tokenizer("bpe:320", corpus)
+    again = data.load_pretrain_tokenizer("bpe:320", corpus)
     assert again.get_vocab() == tok.get_vocab()
 
 
 def test_tokenized_stream_separates_documents_with_eos(corpus):
-    tok = data.load_tokenizer("bpe:320", corpus)
+    tok = data.load_pretrain_tokenizer("bpe:320", corpus)
     texts = data.load_texts(corpus, "validation")[:3]
     ids = data.tokenize_corpus(texts, tok, progress=False)
     assert ids.dtype == torch.int32

@@ -162,7 +162,7 @@ def test_streamed_c4_pipeline_trains_and_resumes_exactly(tiny_config, corpus, tm
             rows = [rows[i] for i in order.tolist()]  # a seeded shuffle, as the real stream's buffer
         yield from rows[skip:]
 
-    monkeypatch.setattr(data, "c4_documents", fake_c4)
+    monkeypatch.setattr(data.sources, "c4_documents", fake_c4)  # the one place every C4 reader looks it up
     full = tiny_config(out=str(tmp_path / "full"), data="c4", tokenizer="bpe:320", steps=6, eval_every=3)
     train(full)
     part = tiny_config(out=str(tmp_path / "part"), data="c4", tokenizer="bpe:320", steps=6, eval_every=3)

@@ -228,12 +228,11 @@ class _Task(ctypes.Structure):
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: ``$GWT_OPTIM_CACHE``, else ``$XDG_CACHE_HOME/gwt_optim``
-    (``~/.cache/gwt_optim``)."""
-    if os.environ.get("GWT_OPTIM_CACHE"):
-        return Path(os.environ["GWT_OPTIM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gwt_optim"
+    """Where built kernels are kept: the ``kernels`` folder of the one cache
+    rule (:mod:`gwt_optim._cache`), ``~/.cache/gwt-optim/kernels`` by default."""
+    from gwt_optim._cache import cache_dir as _kind_dir
+
+    return _kind_dir("kernels")
 
 
 def _compiler() -> str:
@@ -275,6 +274,12 @@ def _unsafe_reason(directory: Path) -> str | None:
         return f"it belongs to uid {st.st_uid}, not to this user"
     if st.st_mode & 0o022:
         return f"other users can write to it (mode {oct(stat.S_IMODE(st.st_mode))})"
+    # Whoever can write to the folder above (without the sticky bit, as /tmp
+    # has) can swap this one for their own.
+    parent = directory.resolve().parent
+    pst = parent.stat()
+    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+        return f"other users can replace it: {parent} is writable by them (mode {oct(stat.S_IMODE(pst.st_mode))})"
     return None
 
 

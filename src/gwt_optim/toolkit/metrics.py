@@ -30,7 +30,6 @@ __all__ = [
     "peak_rss_bytes",
     "current_rss_bytes",
     "cuda_peak_bytes",
-    "reset_peak_memory",
     "Throughput",
     "state_bytes",
     "MetricsLog",
@@ -39,7 +38,6 @@ __all__ = [
     "git_commit",
     "atomic_write_text",
     "atomic_write_json",
-    "format_bytes",
 ]
 
 
@@ -116,13 +114,6 @@ def cuda_peak_bytes(device: torch.device | None = None) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def reset_peak_memory(device: torch.device | None = None) -> None:
-    """Restart the CUDA peak counter (RSS peaks cannot be reset; run one
-    configuration per process to measure them, as ``compare`` does)."""
-    if cuda_peak_bytes(device) is not None:
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by ``optimizer``'s state on this process, each storage once.
 
@@ -133,16 +124,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     from gwt_optim.memory import optimizer_state_bytes
 
     return int(optimizer_state_bytes(optimizer))
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- #

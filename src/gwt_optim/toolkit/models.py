@@ -21,7 +21,7 @@ from torch import nn
 __all__ = [
     "shipped_configs",
     "check_model_spec",
-    "load_config",
+    "load_model_config",
     "build_model",
     "enable_gradient_checkpointing",
     "count_parameters",
@@ -65,7 +65,7 @@ def check_model_spec(spec: str | Path):
     )
 
 
-def load_config(spec: str | Path, **overrides: Any):
+def load_model_config(spec: str | Path, **overrides: Any):
     """A ``transformers`` config from a shipped name, a directory or a JSON file.
 
     ``overrides`` set config attributes (``vocab_size=...``); ``None`` values
@@ -113,7 +113,7 @@ def build_model(
             overrides.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             overrides.setdefault(name, getattr(tokenizer, name, None))
-    config = load_config(spec, **overrides)
+    config = load_model_config(spec, **overrides)
     if max_seq_len is not None and getattr(config, "max_position_embeddings", max_seq_len) < max_seq_len:
         config.max_position_embeddings = max_seq_len
     if pretrained:

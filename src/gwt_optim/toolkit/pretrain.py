@@ -125,10 +125,10 @@ def check_inputs(cfg) -> None:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from gwt_optim.toolkit.report import markdown_table
+    from gwt_optim.toolkit.report import summary_table
 
     print()
-    print(markdown_table([summary]))
+    print(summary_table([summary]))
 
 
 def run_pretrain(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["register", "markdown_table", "label", "find_runs", "load_run", "write_report"]
+__all__ = ["register", "summary_table", "label", "find_runs", "load_run", "write_report"]
 
 
 def label(summary: dict[str, Any]) -> str:
@@ -31,7 +31,7 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
+def summary_table(summaries: Sequence[dict[str, Any]]) -> str:
     """One row per run: quality, measured memory and speed."""
     gpu = any(s.get("peak_gpu_bytes") for s in summaries)
     head = ["optimizer", "lr", "alpha", "val loss", "val ppl", "state MiB", "peak RSS MiB"]
@@ -115,7 +115,7 @@ def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimiz
     loss_png = plot_validation_loss(list(zip(labels, [m for _, m in loaded])), out / "val_loss.png",
                                     title=f"Validation loss\n{setting}")
     mem_png = plot_memory_vs_perplexity(summaries, labels, out / "memory_vs_ppl.png")
-    table = markdown_table(summaries)
+    table = summary_table(summaries)
     md = "\n\n".join(
         part
         for part in (

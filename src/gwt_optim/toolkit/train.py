@@ -50,6 +50,9 @@ __all__ = [
     "Callback",
     "NonFiniteLossError",
     "WarmupCosine",
+    "warmup_steps",
+    "IGNORE_INDEX",
+    "next_token_losses",
     "train",
     "evaluate",
     "PRECISIONS",
@@ -211,6 +214,31 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def warmup_steps(warmup: float, total_steps: int) -> int:
+    """Warm-up length from ``--warmup``: a fraction of ``total_steps`` when below 1,
+    else a number of steps.
+
+    The one rule of ``pretrain``, ``compare`` and ``finetune lm``: a fraction
+    is rounded to the nearest step, halves to even (Python's ``round``), so
+    the same flag gives the same schedule in every command.
+    """
+    return int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
+
+
+IGNORE_INDEX = -100  # the label torch's cross-entropy (and transformers) skips
+
+
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position next-token cross-entropy ``[batch, seq_len - 1]`` in fp32;
+    positions labelled :data:`IGNORE_INDEX` are 0."""
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(len(labels), -1)
+
+
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -267,9 +295,7 @@ def evaluate(
         x = rows.to(device)
         with _autocast(device, autocast_dtype):
             logits = model(input_ids=x).logits
-        loss = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
-        ).view(len(x), -1)
+        loss = next_token_losses(logits, x)
         total[0] += loss[:n_valid].double().sum()
         total[1] += loss[:n_valid].numel()
     all_reduce(total, ctx)
@@ -281,17 +307,11 @@ def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def _parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
-    from gwt_optim.toolkit.registry import parse_optimizer_arg
-
-    return parse_optimizer_arg(spec)
-
-
 def build_optimizer_for(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
     """The optimizer of ``cfg.optimizer`` and what it resolved to (name, lr, alpha, options)."""
-    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
 
-    name, opts = _parse_optimizer(cfg.optimizer)
+    name, opts = parse_optimizer_arg(cfg.optimizer)
     resolved = {"name": name, "lr": opts.get("lr", cfg.lr), "scale": opts.get("scale", cfg.scale),
                 "options": dict(opts)}
     ocfg = OptimizerConfig(
@@ -527,8 +547,8 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
         from gwt_optim.backward import step_in_backward
 
         step_in_backward(optimizer)  # for the life of this optimizer: no handle to keep
-    warmup_steps = int(round(cfg.warmup * cfg.steps)) if cfg.warmup < 1 else int(cfg.warmup)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, warmup_steps, cfg.min_lr_ratio))
+    n_warmup = warmup_steps(cfg.warmup, cfg.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
 
     start_step = 0
     last_ckpt, state = _load_resume_state(run, cfg, dctx) if cfg.resume else (None, None)
@@ -543,7 +563,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        _use_schedule(scheduler, WarmupCosine(cfg.steps, warmup_steps, cfg.min_lr_ratio))
+        _use_schedule(scheduler, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
         data.train.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         del state

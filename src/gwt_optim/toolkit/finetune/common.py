@@ -3,6 +3,7 @@ clearly offline, per-run peak memory, optimizer specs and result files."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ __all__ = [
     "markdown_table",
     "pick_device",
     "run_measured",
+    "add_run_arguments",
+    "isolate_choice",
 ]
 
 
@@ -109,6 +112,27 @@ def run_measured(isolate: bool, fn: Callable[..., T], *args: Any) -> T:
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, out: str, out_help: str) -> None:
+    """The flags every ``finetune`` task shares: ``--seed``, ``--device``,
+    ``--isolate``, ``--out`` and ``--no-progress``. ``defaults`` is the task's
+    settings dataclass; ``runs`` names what one isolated run is."""
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
+    p.add_argument(
+        "--isolate",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help=f"run each {runs} in its own process so peak RSS is per run (auto: on CPU)",
+    )
+    p.add_argument("--out", default=out, help=out_help)
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def isolate_choice(value: str) -> bool | None:
+    """``--isolate`` as the settings hold it: None lets the device decide."""
+    return {"auto": None, "yes": True, "no": False}[value]
 
 
 def pick_device(name: str = "auto") -> torch.device:

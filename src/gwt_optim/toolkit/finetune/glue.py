@@ -40,9 +40,11 @@ import torch
 from gwt_optim.toolkit.finetune.common import (
     MethodSpec,
     PeakMemory,
+    add_run_arguments,
     atomic_write_json,
     atomic_write_text,
     from_hub,
+    isolate_choice,
     markdown_table,
     mib,
     optimizer_state_bytes,
@@ -262,7 +264,7 @@ def _tokenize(ds, tokenizer, task: GlueTask, max_length: int):
     return ds.map(encode, batched=True, remove_columns=ds["train"].column_names, desc=f"tokenize {task.name}")
 
 
-def _load_tokenizer(model_name: str):
+def _load_glue_tokenizer(model_name: str):
     from transformers import AutoTokenizer
 
     return from_hub(
@@ -393,7 +395,7 @@ def run_glue(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not Path(settings.model).exists() or settings.data_dir is None:
         prepare_hub_access()
-    tokenizer = _load_tokenizer(settings.model)
+    tokenizer = _load_glue_tokenizer(settings.model)
     isolate = pick_device(settings.device).type == "cpu" if settings.isolate is None else settings.isolate
     records: list[dict] = []
     for name in tasks:
@@ -500,16 +502,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--max-train-samples", type=int, default=None)
     p.add_argument("--max-eval-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    p.add_argument(
-        "--isolate",
-        choices=("auto", "yes", "no"),
-        default="auto",
-        help="run each (method, task) in its own process so peak RSS is per run (auto: on CPU)",
+    add_run_arguments(
+        p, d, runs="(method, task)", out="results/finetune-glue", out_help="directory for results.json and results.md"
     )
-    p.add_argument("--out", default="results/finetune-glue", help="directory for results.json and results.md")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -529,7 +524,7 @@ def main(args: argparse.Namespace) -> int:
         max_eval_samples=args.max_eval_samples,
         seed=args.seed,
         device=args.device,
-        isolate={"auto": None, "yes": True, "no": False}[args.isolate],
+        isolate=isolate_choice(args.isolate),
         progress=not args.no_progress,
     )
     _, report = run_glue(tasks, args.methods.split(","), settings, args.out)
