@@ -9,7 +9,7 @@
 #   2. benchmarks/step.py --device cuda: GPU (CUDA-event) time, host time and
 #      achieved GB/s of step() for GWT-AdamW (Triton) against fused AdamW, on
 #      LLaMA-130M's shapes and SmolLM2-135M's 210 matrices, fp32 and bf16;
-#   3. the older checks: level 0 against torch.optim.AdamW, the Inductor and
+#   3. the older checks: level 0 against torch.optim.AdamW, the Triton and
 #      eager fast paths against the reference path, no recompilation.
 #
 #   bash benchmarks/gpu_check.sh                 # prints markdown
@@ -305,11 +305,11 @@ done
 if [[ "$DRY" != 1 && "${GPU_CHECK_LEVELS:-1}" != 0 ]]; then
   {
     echo
-    echo "## 2b. Levels 1 and 3, and the Inductor backend it replaces (smollm2, fp32)"
+    echo "## 2b. Levels 1 and 3 (smollm2, fp32)"
     echo
   } >> "$REPORT"
   timeout 75 "$PY" benchmarks/step.py --device cuda --config smollm2 --rounds 3 --steps 5 \
-    --only "AdamW fused,GWT-AdamW l=1 (triton),GWT-AdamW l=3 (triton),GWT-AdamW l=2 (inductor)" \
+    --only "AdamW fused,GWT-AdamW l=1 (triton),GWT-AdamW l=3 (triton)" \
     --json "$JSON_DIR/step_levels.json" >> "$REPORT" 2>&1
   status=$?
   [[ $status -eq 0 ]] || echo "step benchmark (levels) exited with status $status" >> "$REPORT"

@@ -1,7 +1,7 @@
 """The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the reference
 path: the native C kernels on CPU in float64 (to 1e-12) and float32 (their
-SIMD code), the torch.compile (Inductor) kernels, the deferred phase 2 that
-FSDP2 uses, and the ``compile`` option's fallbacks."""
+SIMD code), the deferred phase 2 that FSDP2 uses, and the ``compile``
+option's fallbacks. The Triton kernels: tests/test_triton.py."""
 
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ def count_fused(monkeypatch):
 
         return counted
 
-    for cls in (_fused.NativeBackend, _fused.InductorBackend):
-        monkeypatch.setattr(cls, "phase2", counting(cls.phase2, lambda args: 1))
+    monkeypatch.setattr(_fused.NativeBackend, "phase2", counting(_fused.NativeBackend.phase2, lambda args: 1))
     monkeypatch.setattr(_fused.NativeBackend, "step_many", counting(_fused.NativeBackend.step_many, lambda args: len(args[0])))
     return calls
 
@@ -186,39 +185,12 @@ def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):
     assert bf16.dtype == torch.bfloat16
 
 
-# ------------------------------------------------------------- inductor --- #
+# --------------------------------------------------------- backend names --- #
 
 
-def test_inductor_matches_eager_and_never_recompiles(count_fused):
-    """One compilation per phase serves every shape, and neither a changing lr
-    (a scheduler), weight decay nor the bias corrections recompile."""
-    torch.manual_seed(0)
-    shapes = [(8, 32), (5, 3, 16), (12, 64)]
-    W0 = [torch.randn(s) for s in shapes]
-    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
-
-    def train(compile):
-        params = [torch.nn.Parameter(w.clone()) for w in W0]
-        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile=compile, detail_clip=None)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-        for t, gs in enumerate(grads):
-            for p, g in zip(params, gs):
-                p.grad = g.clone()
-            # The first step compiles; any later compilation is an error.
-            with torch._dynamo.config.patch(error_on_recompile=t > 0):
-                opt.step()
-            sched.step()
-        return [p.detach() for p in params]
-
-    torch._dynamo.reset()
-    compiled = train("inductor")
-    eager = train(False)
-    assert count_fused == {"inductor": 4 * len(shapes) + 1}  # + the warm-up compilation
-    for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-# -------------------------------------------------------------- options --- #
+def test_the_removed_inductor_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="inductor.*removed.*Triton"):
+        GWTAdamW([torch.nn.Parameter(torch.randn(2, 4))], compile="inductor")
 
 
 def test_bad_compile_option_is_rejected():

@@ -35,19 +35,17 @@ reference path:
     parallel loop stalls at every join when other processes hold a core).
     float32 and float64; level 2 float32 block sums use AVX2 where the CPU
     has it.
-``"inductor"`` (CUDA; on CPU only when asked for)
-    The two phases as :func:`torch.compile` functions over flat
-    ``(blocks, b)`` views. The number of blocks is marked dynamic, so one
-    compilation per block size and dtype combination serves every parameter
-    shape, and the changing scalars (learning rate, bias corrections, the
-    limiter's ratio) are runtime arguments: nothing recompiles from step to
-    step. Phase 2 recomputes :math:`A` and :math:`d` from the gradient block
-    and :math:`M, V`, which moves no more bytes than a workspace would: about
-    22 bytes per fp32 parameter at level 2, against AdamW's 28. Any dtype;
-    needs the last dimension to be a multiple of :math:`2^l`.
+``"triton"`` (CUDA)
+    :mod:`gwt_optim.optim._triton`: every transformed weight of a bucket in
+    three launches per step over pointer tables (phase 1, a deterministic
+    limiter on the device, phase 2), with no host synchronization.
 
-Parameters that no backend takes (other dtypes, non-contiguous tensors,
-:math:`n \bmod 2^l \ne 0` for Inductor) take the generic fast path.
+(An earlier ``"inductor"`` backend, the two phases as ``torch.compile``
+functions, was removed once Triton covered CUDA: it was a fourth copy of the
+rule, slower to start and host-bound.)
+
+Parameters that no backend takes (other dtypes, non-contiguous tensors)
+take the generic fast path.
 
 Every backend follows :class:`FusedBackend`. Kernels index the moments by the
 parameter's shape, so the optimizer checks each parameter's state with
@@ -601,134 +599,6 @@ class NativeBackend:
             del self._owner[w.dtype]
 
 
-# ------------------------------------------------------------- inductor --- #
-
-
-def _inductor_phase1(G: Tensor, M: Tensor, V: Tensor, h: float, w1: float, beta2: float, eps2: float) -> Tensor:
-    """Phase 1 on flat views: G is (blocks, b), M and V are (blocks,)."""
-    cdt = torch.promote_types(G.dtype, torch.float32)
-    A = G.to(cdt).sum(-1) * h
-    m = torch.lerp(M.to(cdt), A, w1)
-    v = V.to(cdt) * beta2 + (1.0 - beta2) * A * A
-    M.copy_(m)
-    V.copy_(v)
-    den = v.sqrt() + eps2
-    u = torch.where(den > 0, m / torch.where(den > 0, den, 1.0), 0.0)
-    return u.square().sum()
-
-
-def _inductor_phase2(
-    W: Tensor, G: Tensor, M: Tensor, V: Tensor, h: float, eps2: float, inv_r: Tensor, scale: float, decay: float
-) -> None:
-    """Phase 2 on flat views: W and G are (blocks, b), M and V are (blocks,)."""
-    cdt = torch.promote_types(W.dtype, torch.float32)
-    g = G.to(cdt)
-    A = g.sum(-1, keepdim=True) * h
-    den = V.to(cdt).sqrt().unsqueeze(-1) + eps2
-    d = torch.where(den > 0, 1.0 / torch.where(den > 0, den, 1.0), 0.0)
-    delta = g * d + h * (M.to(cdt).unsqueeze(-1) - A) * d
-    W.copy_((W.to(cdt) * decay - (scale * inv_r.to(cdt)) * delta).to(W.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_phases() -> tuple[Callable, Callable]:
-    """The two phases under ``torch.compile``, shared by all optimizers.
-
-    ``dynamic=True``: the number of blocks and the Python floats (learning
-    rate, bias corrections) are symbolic from the first compilation, so neither
-    a new parameter shape nor the next step recompiles. Only the block size is
-    static (see ``InductorBackend._flat``), for a fixed-size reduction; so there
-    is one graph per block size, dtype combination and device.
-    """
-    if not hasattr(torch, "compile"):
-        raise KernelUnavailable("this torch has no torch.compile; pass compile=False to use the eager path")
-    return (
-        torch.compile(_inductor_phase1, fullgraph=True, dynamic=True),
-        torch.compile(_inductor_phase2, fullgraph=True, dynamic=True),
-    )
-
-
-class InductorBackend:
-    """The two phases compiled by ``torch.compile`` (Triton on CUDA, C++ on CPU)."""
-
-    name = "inductor"
-    batched = False
-
-    def __init__(self) -> None:
-        self._phase1, self._phase2 = _compiled_phases()
-        self._ones: dict[torch.device, Tensor] = {}
-        self._ready: set[tuple] = set()
-
-    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        if w.device.type == "cuda":
-            from torch.utils._triton import has_triton
-
-            if not has_triton():
-                return False
-        return w.shape[-1] % (1 << level) == 0 and w.is_contiguous() and G.is_contiguous()
-
-    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
-        """Compile both phases for this dtype combination and block size on
-        throw-away tensors, so that a compiler failure surfaces before any
-        optimizer state has changed."""
-        key = (w.device, w.dtype, G.dtype, moment_dtype, level)
-        if key in self._ready:
-            return
-        b = 1 << level
-        blocks = 7  # not 0 or 1 (specialized), nor a power of two (duck-sized with b)
-        W = torch.zeros(blocks * b, dtype=w.dtype, device=w.device)
-        M = torch.zeros(blocks, dtype=moment_dtype, device=w.device)
-        g = torch.zeros(blocks * b, dtype=G.dtype, device=w.device)
-        state = {"exp_avg": M, "exp_avg_sq": M.clone()}
-        _, carry = self.phase1({"betas": (0.9, 0.999), "eps": 1e-8}, state, g, level, 1)
-        self.phase2(W, g, level, carry, 1.0, 1.0, 1.0)
-        self._ready.add(key)
-
-    @staticmethod
-    def _flat(x: Tensor, b: int) -> Tensor:
-        """``x`` as a (blocks, b) tensor, or (blocks,) for b = 1.
-
-        A fresh tensor on x's storage rather than a view: Dynamo guards on a
-        view's base, whose shape differs from parameter to parameter.
-        """
-        size, stride = ((x.numel() // b, b), (b, 1)) if b > 1 else ((x.numel(),), (1,))
-        flat = x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), size, stride)
-        if b > 1:
-            torch._dynamo.mark_static(flat, 1)
-        return flat
-
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
-        beta1, beta2 = group["betas"]
-        b = 1 << level
-        eps2 = group["eps"] * math.sqrt(1.0 - beta2**step)
-        norm_sq = self._phase1(
-            self._flat(G, b), self._flat(state["exp_avg"], 1), self._flat(state["exp_avg_sq"], 1),
-            2.0 ** (-level / 2), 1.0 - beta1, beta2, eps2,
-        )
-        return norm_sq, (state["exp_avg"], state["exp_avg_sq"], eps2)
-
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, scale: float, decay: float) -> None:
-        M, V, eps2 = carry
-        b = 1 << level
-        if isinstance(r, Tensor):
-            inv_r = r.reciprocal()
-        else:
-            # Always a tensor, so that the graph does not change with the
-            # limiter's state; r is 1.0 here (limiter off or first step).
-            inv_r = self._ones.get(w.device)
-            if inv_r is None:
-                inv_r = self._ones[w.device] = torch.ones((), device=w.device)
-            if r != 1.0:
-                inv_r = inv_r / r
-        self._phase2(
-            self._flat(w, b), self._flat(G, b), self._flat(M, 1), self._flat(V, 1),
-            2.0 ** (-level / 2), eps2, inv_r, scale, decay,
-        )
-
-
-# ---------------------------------------------------------------- plain --- #
-
-
 class FusedAdamWBackend:
     """Level-0 and 1-D parameters of a GWT-AdamW group on CPU: that is plain
     AdamW, so ``torch._fused_adamw_`` steps all of them in one call per set of
@@ -801,17 +671,19 @@ def _triton_backend() -> Any:
 
 BACKENDS: dict[str, Callable[[], Any]] = {
     "native": NativeBackend,
-    "inductor": InductorBackend,
     "triton": _triton_backend,
 }
 # The backends compile=None/True tries per device type, in order.
-_AUTO = {"cpu": ("native",), "cuda": ("triton", "inductor")}
+_AUTO = {"cpu": ("native",), "cuda": ("triton",)}
 
 
 def check_compile_option(compile: bool | str | None) -> None:
     """Validate the optimizers' ``compile`` argument."""
     if compile is None or isinstance(compile, bool) or compile in BACKENDS:
         return
+    if compile == "inductor":
+        raise ValueError('compile="inductor" was removed: on CUDA the Triton backend ("triton", the default) '
+                         "replaces it")
     raise ValueError(f"compile must be None (auto), True, False or one of {sorted(BACKENDS)}, got {compile!r}")
 
 
@@ -819,13 +691,13 @@ class AdamWHaarKernels:
     """Picks and builds the backend for each parameter, per ``compile``:
 
     ``None`` (auto)
-        the device's backend (native on CPU; on CUDA Triton, else Inductor)
+        the device's backend (native on CPU, Triton on CUDA)
         when it can be built; otherwise one warning and the generic eager path.
     ``True``
         the same, but failing to build the device's last choice raises.
     ``False``
         never (always the generic path).
-    ``"native"`` / ``"inductor"`` / ``"triton"``
+    ``"native"`` / ``"triton"``
         that backend on every device it supports; failing to build raises.
 
     Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
@@ -890,7 +762,7 @@ class AdamWHaarKernels:
             return None
         try:
             backend.prepare(w, G, moment_dtype, level)
-        except Exception as exc:  # e.g. Inductor cannot find a compiler or Triton fails
+        except Exception as exc:  # e.g. no C compiler, or Triton fails to build
             if self.compile is not None and last:
                 raise KernelUnavailable(
                     f"compiling the fused '{name}' kernels failed: {exc}; pass compile=False to use the eager path"

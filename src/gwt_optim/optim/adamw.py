@@ -87,10 +87,10 @@ class GWTAdamW(GWTOptimizer):
         compile: fused kernels for the fast Haar step (see
             :mod:`gwt_optim.optim._fused`): ``None`` (default) uses them where
             they can be built -- a small C library on CPU (built once with the
-            system C compiler, cached in ``~/.cache/gwt_optim``), ``torch.compile``
-            on CUDA -- and otherwise the eager path, with one warning;
+            system C compiler, cached in ``~/.cache/gwt-optim/kernels``), Triton
+            kernels on CUDA -- and otherwise the eager path, with one warning;
             ``True`` makes a build failure an error; ``False`` always runs
-            eager; ``"native"`` or ``"inductor"`` forces that backend.
+            eager; ``"native"`` or ``"triton"`` forces that backend.
     """
 
     _family = "GWTAdamW"
@@ -136,7 +136,7 @@ class GWTAdamW(GWTOptimizer):
         if group["moment_dtype"] == "int8":
             return None  # the kernels read plain float moments
         if self._kernels is None:
-            # Built lazily: the C compiler or torch.compile runs on the first step only.
+            # Built lazily: the C compiler or Triton runs on the first step only.
             self._kernels = _fused.AdamWHaarKernels(self._compile)
         backend = self._kernels.select(w, G, self._moment_dtype(group, G.dtype), level)
         if backend is not None and group["detail_clip"] is not None and not getattr(backend, "detail_clip", False):
@@ -183,7 +183,7 @@ class GWTAdamW(GWTOptimizer):
         return _safe_div(m, den), den
 
     def _approx_update_int8(self, group, state, A, step):
-        """The same update on 8-bit moments, a chunk of rows at a time.
+        r"""The same update on 8-bit moments, a chunk of rows at a time.
 
         ``exp_avg_sq`` holds codes of :math:`\sqrt V`, not of :math:`V`: the
         details are divided by :math:`\sqrt V + \epsilon'`, and a :math:`V`
