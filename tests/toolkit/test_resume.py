@@ -129,8 +129,10 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
     interrupts, resume = 0, ()
     while interrupts < 3:
         start = _max_step(part)
+        # A background job (nohup ... &) starts with SIGINT ignored, which the
+        # child would inherit and honour; a terminal's Ctrl-C is what is tested.
         proc = subprocess.Popen(argv(part, *resume), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
+                                env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         while _max_step(part) <= start and proc.poll() is None:  # wait for the loop to run
             time.sleep(0.005)
         time.sleep(rng.uniform(0, 0.015))
