@@ -440,14 +440,10 @@ class GWTOptimizer(Optimizer):
         if spec is None:
             spec = self._state_specs[key] = self._expected_state(group, tuple(approx.shape), transformed)
         for name, shape in spec.items():
-            t = state.get(name)
-            if not isinstance(t, Tensor):
-                return f"its state has no tensor {name!r} (keys: {sorted(state)})"
-            if tuple(t.shape) != shape:
-                return (
-                    f"state {name!r} has shape {tuple(t.shape)}, but a level-{group['level'] if transformed else 0} "
-                    f"step needs {shape}: the state belongs to another parameter or level"
-                )
+            problem = _fused.state_shape_problem(state, name, shape, group["level"] if transformed else 0)
+            if problem is not None:
+                return problem
+            t = state[name]
             if t.device != approx.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
                 return (
                     f"state {name!r} is a {t.dtype} tensor on {t.device}, "

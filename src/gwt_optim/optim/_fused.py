@@ -133,6 +133,21 @@ class FusedBackend(Protocol):
         ...
 
 
+def state_shape_problem(state: dict, key: str, expected: tuple, level: int, *, of: str = "") -> str | None:
+    """Why ``state[key]`` is missing or has the wrong shape for a level-``level``
+    step (``of`` names the parameter's shape), or None. Shared by the kernels'
+    check and the eager paths' (``GWTOptimizer._state_problem``)."""
+    t = state.get(key)
+    if not isinstance(t, Tensor):
+        return f"its state has no tensor {key!r} (keys: {sorted(state)})"
+    if tuple(t.shape) != tuple(expected):
+        return (
+            f"state {key!r} has shape {tuple(t.shape)}, but a level-{level} step{of} needs {tuple(expected)}: "
+            "the state belongs to another parameter or level"
+        )
+    return None
+
+
 def state_problem(param: Tensor, grad: Tensor, state: dict, level: int, moment_dtype: torch.dtype) -> str | None:
     """What makes ``state`` unfit for a fused level-``level`` GWT-AdamW step
     of ``param``, or None. The kernels read and write the moments through raw
@@ -148,14 +163,10 @@ def state_problem(param: Tensor, grad: Tensor, state: dict, level: int, moment_d
         return f"level {level} is outside the fused kernels' 0..16"
     expected = (*shape[:-1], wavelets.approx_length(shape[-1], level)) if shape else ()
     for key in ("exp_avg", "exp_avg_sq"):
-        t = state.get(key)
-        if not isinstance(t, Tensor):
-            return f"its state has no tensor {key!r} (keys: {sorted(state)})"
-        if tuple(t.shape) != expected:
-            return (
-                f"state {key!r} has shape {tuple(t.shape)}, but a level-{level} step of a parameter of "
-                f"shape {shape} needs {expected}: the state belongs to another parameter or level"
-            )
+        problem = state_shape_problem(state, key, expected, level, of=f" of a parameter of shape {shape}")
+        if problem is not None:
+            return problem
+        t = state[key]
         if t.dtype != moment_dtype:
             return (
                 f"state {key!r} is {t.dtype} but the group's moments are {moment_dtype}; set the group's "
