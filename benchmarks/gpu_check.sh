@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GWT-AdamW on a CUDA GPU in one short run (about 4 minutes on an H200, offline),
+# GWT-AdamW on a CUDA GPU in one short run (about 4 minutes on an H200 plus a sweep of at most 3, offline),
 # most important first:
 #
 #   1. the Triton backend (docs/fast-step.md) against the eager path on the
@@ -10,7 +10,11 @@
 #      achieved GB/s of step() for GWT-AdamW (Triton) against fused AdamW, on
 #      LLaMA-130M's shapes and SmolLM2-135M's 210 matrices, fp32 and bf16;
 #   3. the older checks: level 0 against torch.optim.AdamW, the Triton and
-#      eager fast paths against the reference path, no recompilation.
+#      eager fast paths against the reference path, no recompilation;
+#   4. a sweep of the Triton kernels' chunk size and num_warps
+#      (GWT_TRITON_CHUNK, GWT_TRITON_WARPS) on SmolLM2-135M's matrices, fp32
+#      and bf16: GPU time and GB/s per configuration, to pick the defaults
+#      (at most about 3 minutes; configurations left when time is up are skipped).
 #
 #   bash benchmarks/gpu_check.sh                 # prints markdown
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # also writes $OUT/gpu_step.md (+ JSON)
@@ -26,7 +30,7 @@ cd "$(dirname "$0")/.."
 DRY=${GPU_CHECK_DRY:-0}
 # GPU_CHECK_SECTIONS=1 or =2,3 runs only those sections (benchmarks/device_session.sh
 # runs the correctness section beside a training sweep and times the step alone).
-SECTIONS=",${GPU_CHECK_SECTIONS:-1,2,3},"
+SECTIONS=",${GPU_CHECK_SECTIONS:-1,2,3,4},"
 want() { [[ "$SECTIONS" == *",$1,"* ]]; }
 PY=""
 for cand in ${PYTHON:-} .venv/bin/python python3 python; do
@@ -417,6 +421,29 @@ PYEOF
 status=$?
 [[ $status -eq 0 ]] || echo "correctness check exited with status $status" >> "$REPORT"
 fi
+fi
+
+if want 4 && [[ "$DRY" != 1 ]]; then
+{
+  echo
+  echo "## 4. Chunk and num_warps of the Triton kernels (GWT_TRITON_CHUNK, GWT_TRITON_WARPS; smollm2, l=2)"
+  echo
+  echo "Defaults: chunk 4096, num_warps 4. Each row: benchmarks/step.py --rounds 3 --steps 5 under that setting."
+  echo
+} >> "$REPORT"
+SWEEP_START=$SECONDS
+for dtype in float32 bfloat16; do
+  for config in 4096:4 2048:4 8192:4 4096:8 8192:8 16384:8; do
+    if (( SECONDS - SWEEP_START > 180 )); then
+      echo "- $dtype chunk:warps $config skipped: the sweep's 3 minutes are up" >> "$REPORT"
+      continue
+    fi
+    echo "- $dtype, chunk:warps $config" >> "$REPORT"
+    GWT_TRITON_CHUNK=${config%%:*} GWT_TRITON_WARPS=${config##*:} timeout 60 "$PY" benchmarks/step.py --device cuda \
+      --config smollm2 --rounds 3 --steps 5 --dtype $dtype --only "AdamW fused,GWT-AdamW l=2 (triton)" \
+      2>&1 | grep -E "^\| smollm2" >> "$REPORT"
+  done
+done
 fi
 
 cat "$REPORT"

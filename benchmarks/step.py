@@ -10,6 +10,8 @@ the median, and as a ratio to fused AdamW measured in the same run.
 
     python benchmarks/step.py --config 60m            # one config
     python benchmarks/step.py --config 60m,130m --rounds 5
+    python benchmarks/step.py --config 60m --threads 2 --warmup 8 --rounds 21 --steps 1 \
+        --only "AdamW fused,GWT-AdamW l=2,GWT-AdamW l=2 (paper)"  # the CPU target
     python benchmarks/step.py --device cuda           # on a GPU
     python benchmarks/step.py --device cuda --config 130m,smollm2 \
         --only "AdamW fused,GWT-AdamW l=2 (triton)" --dtype bfloat16
@@ -104,6 +106,8 @@ def _cases(device: str) -> list[Case]:
     # The default above uses the fused kernels (native C on CPU, Triton on CUDA);
     # "(eager)" is the same closed form as plain tensor operations.
     cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False), level=2))
+    # The paper's update: the default's detail clip off (a lighter phase 2).
+    cases.append(Case("GWT-AdamW l=2 (paper)", lambda p: GWTAdamW(p, lr=1e-3, level=2, detail_clip=None), level=2))
     for level in (1, 2, 3):
         cases.append(
             Case(f"GWT-AdamW l={level} (reference)", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, impl="reference"))
@@ -207,11 +211,16 @@ def _time_cuda(opt: torch.optim.Optimizer, steps: int, host_estimate: float) -> 
     return host / steps, start.elapsed_time(end) / 1e3 / steps
 
 
-def run(config: str, device: str, rounds: int, steps: int, only: str | None, dtype: torch.dtype = torch.float32) -> list[dict]:
+def run(config: str, device: str, rounds: int, steps: int, only: str | None, dtype: torch.dtype = torch.float32,
+        warmup: int = 2) -> list[dict]:
     shapes = llama_shapes(config)
     n_params = sum(a * b for a, b in shapes)
-    cases = [c for c in _cases(device) if not only or any(s.strip() == c.label or (not s.strip().endswith(")") and s in c.label)
-                                                          for s in only.split(","))]
+    cases = _cases(device)
+    if only:
+        # A name that is a label picks that label alone; any other is a substring.
+        labels = {c.label for c in cases}
+        wanted = [w.strip() for w in only.split(",")]
+        cases = [c for c in cases if any(c.label == w if w in labels else w in c.label for w in wanted)]
     gen = torch.Generator(device="cpu").manual_seed(0)
     cuda = device.startswith("cuda")
     setups = {}
@@ -221,25 +230,25 @@ def run(config: str, device: str, rounds: int, steps: int, only: str | None, dty
             p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(device=device, dtype=dtype)
         try:
             opt = case.make(params)
-            t0 = time.perf_counter()
-            opt.step()  # creates state; GaLore computes its first projection here
-            _sync(device)
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            opt.step()  # a warm step: what the GPU's sleep in _time_cuda must outlast
-            _sync(device)
-            warm = time.perf_counter() - t0
+            # The first step creates state (GaLore computes its first
+            # projection); the last is what the GPU's sleep in _time_cuda must outlast.
+            warmup_s = []
+            for _ in range(max(2, warmup)):
+                t0 = time.perf_counter()
+                opt.step()
+                _sync(device)
+                warmup_s.append(time.perf_counter() - t0)
         except Exception as exc:  # a peer that cannot run here (no CUDA kernel, ...)
             print(f"skip {case.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        setups[case.label] = (case, params, opt, first, warm)
+        setups[case.label] = (case, params, opt, warmup_s[0], warmup_s)
 
     times: dict[str, list[float]] = {k: [] for k in setups}
     host: dict[str, list[float]] = {k: [] for k in setups}
     for _ in range(rounds):
-        for label, (case, params, opt, first, warm) in setups.items():
+        for label, (case, params, opt, first, warmup_s) in setups.items():
             if cuda:
-                h, g = _time_cuda(opt, steps, warm)
+                h, g = _time_cuda(opt, steps, warmup_s[-1])
                 host[label].append(h)
                 times[label].append(g)
                 continue
@@ -251,7 +260,7 @@ def run(config: str, device: str, rounds: int, steps: int, only: str | None, dty
             times[label].append((time.perf_counter() - t0) / steps)
 
     rows = []
-    for label, (case, params, opt, first, warm) in setups.items():
+    for label, (case, params, opt, first, warmup_s) in setups.items():
         ms = statistics.median(times[label]) * 1e3
         if case.amortize_gap:
             ms = (first * 1e3 + (case.amortize_gap - 1) * ms) / case.amortize_gap
@@ -261,7 +270,8 @@ def run(config: str, device: str, rounds: int, steps: int, only: str | None, dty
                      "state_bytes": state_bytes(opt), "n_params": n_params, "dtype": str(dtype).replace("torch.", ""),
                      "host_ms": statistics.median(host[label]) * 1e3 if host[label] else math.nan,
                      "gbps": nbytes / (ms / 1e3) / 1e9 if nbytes else math.nan,
-                     "first_step_s": first, "backends": backends, "n_tensors": len(shapes)})
+                     "first_step_s": first, "warmup_ms": [t * 1e3 for t in warmup_s],
+                     "backends": backends, "n_tensors": len(shapes)})
     by_label = {r["optimizer"]: r for r in rows}
     for r in rows:
         base = by_label.get(r["baseline"])
@@ -301,7 +311,11 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated substrings of optimizer labels to run")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and gradient dtype")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer before the rounds (at least 2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     cuda = args.device.startswith("cuda")
 
@@ -311,10 +325,10 @@ def main() -> None:
         print("| config | dtype | optimizer | GPU ms/step | ratio | host ms/step | GB/s | state MB | backends |")
         print("|---|---|---|---:|---:|---:|---:|---:|---|")
     else:
-        print("| config | optimizer | ms/step | ratio | state MB | state bytes/param |")
-        print("|---|---|---:|---:|---:|---:|")
+        print("| config | dtype | optimizer | ms/step | ratio | state MB | state bytes/param | warm-up steps (ms) |")
+        print("|---|---|---|---:|---:|---:|---:|---|")
     for config in args.config.split(","):
-        rows = run(config, args.device, args.rounds, args.steps, args.only, dtype)
+        rows = run(config, args.device, args.rounds, args.steps, args.only, dtype, args.warmup)
         for r in rows:
             if math.isnan(r["ratio"]):
                 ratio = "-"  # its baseline was not run (--only)
@@ -329,9 +343,10 @@ def main() -> None:
                     flush=True,
                 )
             else:
+                warm = " ".join(f"{t:.0f}" for t in r["warmup_ms"])
                 print(
-                    f"| {config} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
-                    f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} |",
+                    f"| {config} | {r['dtype']} | {r['optimizer']} | {r['ms']:.1f} | {ratio.strip()} | "
+                    f"{r['state_bytes'] / 2**20:.1f} | {r['bytes_per_param']:.2f} | {warm} |",
                     flush=True,
                 )
         all_rows += rows

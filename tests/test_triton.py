@@ -169,8 +169,9 @@ def test_level0_is_torch_adamw(tt):
         for p, g in zip(params, gs):
             p.grad = g.clone()
         opt.step()
-    # Both parameters in one bucket: one launch per step (+ 2 when prepare() ran the kernels once).
-    assert tt.launches["phase2"] == 3 + 2
+    # Both parameters in one bucket: one launch per step (+ 4 when prepare()
+    # ran each form of the kernels once, with and without the limiter).
+    assert tt.launches["phase2"] == 3 + 4
     _close(got, [p.detach() for p in params], 1e-6)
 
 
@@ -285,6 +286,48 @@ def test_state_round_trip_mid_training_is_bitwise(tt):
         opt.step()
     for a, b in zip(params, straight):
         assert torch.equal(a.detach(), b)
+
+
+@needs_triton
+def test_the_step_plan_changes_no_bit(tt):
+    """Through every reason for a new step plan (a state round trip, a moved
+    parameter, a gradient that goes and comes back, a level-independent
+    option) the kernels give bit for bit what they give with no plan."""
+    from gwt_optim.optim._base import GWTOptimizer
+
+    W0, grads = _problem(shapes=SHAPES[1:], steps=6, seed=19)
+
+    def run(plan: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if not plan:
+                mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
+            return train(plan)
+
+    def train(plan: bool):
+        params = [torch.nn.Parameter(w.clone()) for w in W0]
+        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile="triton")
+        for t, gs in enumerate(grads):
+            gs = [g.clone() for g in gs]
+            if t == 2:
+                opt.load_state_dict(opt.state_dict())
+            if t == 3:
+                params[0].data = params[0].data.clone()
+                gs[1] = None
+            if t == 4:
+                opt.param_groups[0]["norm_growth_limit"] = None
+            for p, g in zip(params, gs):
+                p.grad = g
+            opt.step()
+        assert (opt._plan is not None) == plan
+        return params, opt
+
+    got, opt = run(plan=True)
+    want, ref = run(plan=False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt.state.values(), ref.state.values()):
+        for key in sb:
+            assert torch.equal(sa[key], sb[key]), key
 
 
 @needs_triton

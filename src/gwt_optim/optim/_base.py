@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -77,7 +78,7 @@ from torch.optim.optimizer import Optimizer
 from gwt_optim import wavelets
 from gwt_optim.optim import _fused
 
-__all__ = ["GWTOptimizer", "ParamStep", "IMPLEMENTATIONS"]
+__all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "fast")
 # "int8": blockwise 8-bit codes plus fp32 block scales (gwt_optim.optim._quant),
@@ -101,7 +102,9 @@ class ParamStep:
 
     param: Tensor  # the (local) parameter tensor
     full_param: Tensor  # the parameter as the user holds it (maybe a DTensor)
-    grad: Tensor  # the (local) gradient in the compute dtype, viewed (rows, n)
+    # The (local) gradient: in its own dtype when the fused backend reads that
+    # dtype (GWTOptimizer._select_fused), else in the compute dtype.
+    grad: Tensor
     state: dict
     group: dict
     transformed: bool
@@ -116,6 +119,57 @@ class ParamStep:
     carry: Any = None  # what the fused phase 1 leaves for its phase 2
     step: int = 0  # the state's step count after this step's increment
     batched: bool = False  # the fused backend runs this whole step later, with others
+
+
+@dataclass
+class StepBatch:
+    """Whole steps a batched fused backend runs with one set of scalars: the
+    ParamSteps of one group and one step count, whose step scale alpha is all
+    the group's or all 1 (transformed parameters, or not, unless alpha = 1).
+
+    While the optimizer's step plan holds (see :meth:`GWTOptimizer.step`), it
+    hands a backend's ``step_batches`` the same list of the same StepBatch
+    objects, with the same ``steps`` lists, on every step, updating only
+    ``step``, ``scale`` and ``decay`` and each ParamStep's ``grad`` and
+    ``step``; a backend may cache what it derives from them by identity. The
+    optimizer has then checked that all but the gradients is as it was when
+    the plan was made: the parameters (address, shape, dtype, device) and
+    their state (the same tensors at the same addresses). A gradient may be a
+    new tensor, of the same dtype, shape, device and contiguity.
+    """
+
+    steps: list[ParamStep]
+    group: dict
+    step: int  # the step count after this step's increment
+    scaled: bool  # alpha is the group's "scale" (else 1)
+    scale: float = 0.0  # alpha * lr * step factor
+    decay: float = 1.0  # 1 - lr * weight_decay
+
+
+@dataclass
+class _StepPlan:
+    """The routing of the last step, repeated without re-deriving it while
+    nothing it depends on has changed (:meth:`GWTOptimizer._plan_grads`)."""
+
+    state: dict  # the optimizer's state mapping it was made with
+    routes: list[tuple]  # _route_key of each group
+    params: list[Tensor]  # every parameter, in group order
+    rest: list[tuple[Tensor, dict]]  # (parameter, group) of the others: _phase1 on every step
+    fast: list[ParamStep]  # the batched parameters' steps, reused
+    fast_params: list[Tensor]
+    fast_states: list[dict]
+    states: list[dict]  # every state dict of the optimizer, in its order
+    param_addresses: list[int]
+    shapes: list[torch.Size]
+    grad_specs: list[tuple]  # (dtype, contiguous) of each gradient
+    values: list[Tensor]  # every tensor of those states, in order
+    addresses: list[int]  # and their addresses
+    counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
+    version: int  # counter._version after the last add_
+    batches: list[tuple[Any, list[StepBatch]]]  # per backend
+
+
+_data_ptr = Tensor.data_ptr  # for map(): no Python frame per tensor
 
 
 class GWTOptimizer(Optimizer):
@@ -174,6 +228,8 @@ class GWTOptimizer(Optimizer):
         self.__dict__.setdefault("_warned_nonfinite", False)
         # Expected state shapes per (group, approximation shape, ...): see _state_problem.
         self.__dict__.setdefault("_state_specs", {})
+        # The routing of the last step, reused while it holds (see step()).
+        self.__dict__.setdefault("_plan", None)
 
     @property
     def nonfinite_skips(self) -> int:
@@ -197,6 +253,7 @@ class GWTOptimizer(Optimizer):
                 if isinstance(p, Tensor):
                     self._validate_param(p, merged, f"parameter {i} of group {index} (shape {tuple(p.shape)})")
         self._state_specs.clear()
+        self._plan = None
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -289,7 +346,10 @@ class GWTOptimizer(Optimizer):
 
     def _step_factor(self, ps: ParamStep) -> float:
         """The multiplier :math:`c_t` on ``lr`` (Adam: bias correction) for
-        this parameter's step; ``ps.param`` is the weight before the update."""
+        this parameter's step; ``ps.param`` is the weight before the update.
+        For a :class:`StepBatch` it is evaluated once, on its first ParamStep:
+        a family with batched fused kernels must not make it depend on more
+        than the group and the step count."""
         return 1.0
 
     def _postprocess(self, ps: ParamStep, delta: Tensor) -> Tensor:
@@ -313,9 +373,16 @@ class GWTOptimizer(Optimizer):
         whole step of many parameters at once (with the limiter and the
         non-finite check), for every parameter that needs no collective;
         ``items`` are ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
-        The state is checked with :func:`~gwt_optim.optim._fused.state_problem`
-        before a backend sees it. Fused steps skip :meth:`_postprocess`. The
-        default has none.
+        It may also provide ``step_batches(batches, limiter_eps)``, the same
+        for a list of :class:`StepBatch` that stays the same from step to step
+        (the optimizer's step plan); without it, the plan calls ``step_many``.
+
+        ``G`` is first the gradient in its own dtype: a backend whose
+        ``supports`` accepts that dtype reads it as it is (no copy); otherwise
+        the optimizer casts it to the compute dtype and asks again. The state
+        is checked with :func:`~gwt_optim.optim._fused.state_problem` before a
+        backend sees it. Fused steps skip :meth:`_postprocess`. The default
+        has none.
         """
         return None
 
@@ -356,6 +423,7 @@ class GWTOptimizer(Optimizer):
         self._check_saved_state(state_dict)
         super().load_state_dict(state_dict)
         self._state_specs.clear()
+        self._plan = None
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, saved in state_dict["state"].get(pid, {}).items():
@@ -475,6 +543,22 @@ class GWTOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """One step of every parameter with a gradient.
+
+        Parameters that batched fused kernels step (all GWT-AdamW weights on
+        CUDA) follow a *step plan*: the routing, checks and ParamSteps of the
+        last step, reused while the parameters with gradients, their addresses,
+        shapes and dtypes, the gradients' dtypes, shapes and layout, the state
+        objects and the groups' routing options (:meth:`_route_key`) are as
+        they were. Then a step costs a few list comparisons and one call per
+        backend instead of the per-parameter checks, and the step counts of
+        those parameters (``state["step"]``, CPU float32 tensors as always)
+        advance together: they are views of one tensor, advanced by one
+        in-place add. Anything else (``load_state_dict``,
+        ``add_param_group``, a new level, a moved parameter, a gradient that
+        appears or goes) makes a new plan on that step, after the full checks.
+        Learning rates and other scalars are read on every step.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -482,19 +566,21 @@ class GWTOptimizer(Optimizer):
 
         deferred: list[ParamStep] = []
         batched: list[ParamStep] = []
-        sharded = [p for g in self.param_groups for p in g["params"] if p.grad is not None and _is_dtensor(p)]
-        finite = self._finite_across_ranks(sharded) if sharded else {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.numel() == 0:
-                    continue  # nothing to update, and no state to keep
-                ps = self._phase1(p, group, finite.get(id(p)))
-                if ps is not None:  # None: skipped, a non-finite gradient
-                    self._route(ps, batched, deferred)
+        plan = self._plan
+        grads = None if plan is None else self._plan_grads(plan)
+        if grads is not None:
+            if plan.rest:
+                self._step_params(plan.rest, batched, deferred)
+                if batched:  # a parameter joined the batched kernels: plan again next time
+                    self._plan = None
+            self._run_plan(plan, grads)
+        else:
+            self._plan = None
+            self._step_params([(p, g) for g in self.param_groups for p in g["params"]], batched, deferred)
+            plan, batched = self._make_plan(batched)
+            if plan is not None:
+                self._plan = plan
+                self._run_plan(plan, None)
         self._finish(batched, deferred)
         return loss
 
@@ -511,17 +597,27 @@ class GWTOptimizer(Optimizer):
             group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
             if group is None:
                 raise ValueError(f"{self._family}: step_param got a parameter this optimizer does not hold")
-        if p.grad is None or p.numel() == 0:
-            return
-        if p.grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        finite = self._finite_across_ranks([p]) if _is_dtensor(p) else {}
-        ps = self._phase1(p, group, finite.get(id(p)))
-        if ps is not None:
-            batched: list[ParamStep] = []
-            deferred: list[ParamStep] = []
-            self._route(ps, batched, deferred)
-            self._finish(batched, deferred)
+        batched: list[ParamStep] = []
+        deferred: list[ParamStep] = []
+        self._step_params([(p, group)], batched, deferred)
+        self._finish(batched, deferred)
+
+    def _step_params(self, params: list[tuple[Tensor, dict]], batched: list[ParamStep],
+                     deferred: list[ParamStep]) -> None:
+        """Phase 1 of each ``(parameter, group)`` with a gradient, then phase 2
+        now or queued (see :meth:`_route`)."""
+        sharded = [p for p, _ in params if p.grad is not None and _is_dtensor(p)]
+        finite = self._finite_across_ranks(sharded) if sharded else {}
+        for p, group in params:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if p.numel() == 0:
+                continue  # nothing to update, and no state to keep
+            ps = self._phase1(p, group, finite.get(id(p)))
+            if ps is not None:  # None: skipped, a non-finite gradient
+                self._route(ps, batched, deferred)
 
     def _route(self, ps: ParamStep, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
         """Phase 2 now, or queued for the batched kernels or the limiter's collective."""
@@ -538,6 +634,138 @@ class GWTOptimizer(Optimizer):
         for ps in deferred:
             self._phase2(ps)
 
+    # ------------------------------------------------------- step plan --- #
+
+    def _route_key(self, group: dict) -> tuple:
+        """The group options that choose each parameter's path and state,
+        rather than only a kernel's arguments: a change makes a new plan."""
+        return (
+            group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
+            group["norm_growth_limit"] is None, group["detail_clip"] is None,
+        )
+
+    def _make_plan(self, batched: list[ParamStep]) -> tuple[_StepPlan | None, list[ParamStep]]:
+        """A plan from this step's batched ParamSteps (made by :meth:`_phase1`
+        with every check), and those it leaves to :meth:`_run_batched`: a
+        gradient cast to the compute dtype (a copy on every step) or a step
+        count that is not a CPU float32 scalar."""
+        fast, left = [], []
+        for ps in batched:
+            st = ps.state.get("step")
+            plain = (ps.grad is ps.full_param.grad and isinstance(st, Tensor) and st.ndim == 0
+                     and all(isinstance(v, Tensor) for v in ps.state.values()))
+            (fast if plain and st.dtype == torch.float32 and st.device.type == "cpu" else left).append(ps)
+        if not fast:
+            return None, left
+        planned = {id(ps.full_param) for ps in fast}
+        counter = torch.stack([ps.state["step"] for ps in fast])
+        for i, ps in enumerate(fast):
+            ps.state["step"] = counter[i]
+        batches: dict[tuple, StepBatch] = {}
+        by_backend: dict[int, tuple[Any, list[StepBatch]]] = {}
+        for ps in fast:
+            # alpha = 1 (a _route_key option) lets weights and vectors share launches.
+            key = (id(ps.fused), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
+            batch = batches.get(key)
+            if batch is None:
+                batch = batches[key] = StepBatch([], ps.group, ps.step, key[-1])
+                by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append(batch)
+            batch.steps.append(ps)
+        params = [p for g in self.param_groups for p in g["params"]]
+        fast_params = [ps.full_param for ps in fast]
+        values = [v for ps in fast for v in ps.state.values()]
+        plan = _StepPlan(
+            state=self.state,
+            routes=[self._route_key(g) for g in self.param_groups],
+            params=params,
+            rest=[(p, g) for g in self.param_groups for p in g["params"] if id(p) not in planned],
+            fast=fast,
+            fast_params=fast_params,
+            fast_states=[ps.state for ps in fast],
+            states=list(self.state.values()),
+            param_addresses=list(map(_data_ptr, fast_params)),
+            shapes=[p.shape for p in fast_params],
+            grad_specs=[(ps.grad.dtype, ps.grad.is_contiguous()) for ps in fast],
+            values=values,
+            addresses=list(map(_data_ptr, values)),
+            counter=counter,
+            version=counter._version,
+            batches=list(by_backend.values()),
+        )
+        return plan, left
+
+    def _plan_grads(self, plan: _StepPlan) -> list[Tensor] | None:
+        """The batched parameters' gradients if this step may repeat the
+        plan's routing, else None. It may with the same parameters, groups'
+        routing options and step counts (nothing wrote them but the plan), the
+        batched parameters and their state tensors as they were (see
+        :class:`StepBatch`), and gradients the backends take the same way."""
+        if plan.state is not self.state or plan.counter._version != plan.version:
+            return None
+        groups = self.param_groups
+        if [self._route_key(g) for g in groups] != plan.routes:
+            return None
+        params = [p for g in groups for p in g["params"]]
+        if len(params) != len(plan.params) or not all(map(operator.is_, params, plan.params)):
+            return None
+        # Every state dict, in order (no hashing of parameters): one replaced,
+        # added or removed shows here.
+        states = self.state
+        if len(states) != len(plan.states) or not all(map(operator.is_, states.values(), plan.states)):
+            return None
+        fast = plan.fast_params
+        grads = [p.grad for p in fast]
+        try:
+            # torch's grad setter keeps a gradient's shape and device the
+            # parameter's; a sparse one is not contiguous.
+            specs = [(g.dtype, g.is_contiguous()) for g in grads]
+        except AttributeError:  # a gradient is None
+            return None
+        values = [v for st in plan.fast_states for v in st.values()]
+        holds = (
+            specs == plan.grad_specs
+            and list(map(_data_ptr, fast)) == plan.param_addresses
+            and [p.shape for p in fast] == plan.shapes
+            and len(values) == len(plan.values)
+            and all(map(operator.is_, values, plan.values))
+            and list(map(_data_ptr, values)) == plan.addresses
+        )
+        return grads if holds else None
+
+    def _run_plan(self, plan: _StepPlan, grads: list[Tensor] | None) -> None:
+        """The batched parameters' whole steps, one call per backend. With
+        ``grads`` (a repeated plan) their step counts advance here; otherwise
+        :meth:`_phase1` has advanced them and left the gradients."""
+        if grads is not None:
+            plan.counter.add_(1)
+            plan.version = plan.counter._version
+            for ps, g in zip(plan.fast, grads):
+                ps.grad = g
+            for _, batches in plan.batches:
+                for batch in batches:
+                    batch.step += 1
+                    for ps in batch.steps:
+                        ps.step = batch.step
+        try:
+            for backend, batches in plan.batches:
+                for batch in batches:
+                    group = batch.group
+                    lr = group["lr"]
+                    lr = lr.item() if isinstance(lr, Tensor) else lr
+                    alpha = group["scale"] if batch.scaled else 1.0
+                    batch.scale = alpha * lr * self._step_factor(batch.steps[0])
+                    batch.decay = 1 - lr * group["weight_decay"]
+                run = getattr(backend, "step_batches", None)
+                if run is not None:
+                    self._count_skipped(run(batches, _LIMITER_EPS))
+                else:
+                    items = [(ps, b.scale, b.decay) for b in batches for ps in b.steps]
+                    self._count_skipped(backend.step_many(items, _LIMITER_EPS))
+        finally:
+            # The plan outlives the step; the gradients must not (zero_grad frees them).
+            for ps in plan.fast:
+                ps.grad = None
+
     def _run_batched(self, steps: list[ParamStep]) -> None:
         """Hand the whole steps a fused backend batches to it, with the
         family's step factor and the decoupled weight decay."""
@@ -549,13 +777,16 @@ class GWTOptimizer(Optimizer):
             entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
             entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
         for backend, items in by_backend.values():
-            skipped = backend.step_many(items, _LIMITER_EPS)
-            if isinstance(skipped, Tensor):  # a device count: no host sync here
-                counter = self._nonfinite_counters.get(skipped.device)
-                self._nonfinite_counters[skipped.device] = skipped if counter is None else counter + skipped
-            else:
-                for ps in skipped or ():
-                    self._record_nonfinite(ps.full_param)
+            self._count_skipped(backend.step_many(items, _LIMITER_EPS))
+
+    def _count_skipped(self, skipped: Tensor | list) -> None:
+        """Record what a batched backend skipped for a non-finite gradient."""
+        if isinstance(skipped, Tensor):  # a device count: no host sync here
+            counter = self._nonfinite_counters.get(skipped.device)
+            self._nonfinite_counters[skipped.device] = skipped if counter is None else counter + skipped
+        else:
+            for ps in skipped or ():
+                self._record_nonfinite(ps.full_param)
 
     def _finite_across_ranks(self, params: list[Tensor]) -> dict[int, bool]:
         """Whether each sharded parameter's whole gradient is finite, in one
@@ -609,20 +840,17 @@ class GWTOptimizer(Optimizer):
         # Tensors with more than 2 dims transform along their last axis with
         # all leading dims kept, so state shapes keep the parameter's leading
         # dims and shard like it under FSDP2.
-        G = g if g.dtype == cdt else g.to(cdt)
+        fused, G = self._select_fused(group, p, w, g, cdt, level, transformed)
 
-        coeffs = A = fused = None
-        if level == 0:
-            fused = self._plain_fused_kernel(group, p, w, G, transformed)
-            if fused is None:
+        coeffs = A = None
+        if fused is None:
+            if level == 0:
                 A = G
-        elif self._use_fast(group, level):
-            fused = self._fused_kernel(group, w, G, level)
-            if fused is None:
+            elif self._use_fast(group, level):
                 A = _haar_approx(G, level)
-        else:
-            coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
-            A = coeffs.approx
+            else:
+                coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
+                A = coeffs.approx
 
         batched = fused is not None and getattr(fused, "batched", False) and not _is_dtensor(p)
         if finite is None and not batched:
@@ -632,7 +860,8 @@ class GWTOptimizer(Optimizer):
         if new:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             # The fused kernels compute A themselves; the state only needs its shape.
-            approx = A if A is not None else G.new_empty((*G.shape[:-1], wavelets.approx_length(G.shape[-1], level)))
+            approx = A if A is not None else G.new_empty(
+                (*G.shape[:-1], wavelets.approx_length(G.shape[-1], level)), dtype=cdt)
             self._init_family_state(group, state, approx, self._moment_dtype(group, cdt), transformed)
             if self._limiter_enabled(group, transformed):
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
@@ -661,7 +890,7 @@ class GWTOptimizer(Optimizer):
             ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, step=step)
             ps.limited = self._limiter_enabled(group, transformed)
             if batched:
-                ps.batched = True  # phase 1, limiter and phase 2 run in _run_batched
+                ps.batched = True  # phase 1, limiter and phase 2 run in _run_plan or _run_batched
                 return ps
             norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
             if ps.limited:
@@ -673,6 +902,25 @@ class GWTOptimizer(Optimizer):
             ps.limited = True
             ps.norm_sq = U.square().sum()
         return ps
+
+    def _select_fused(self, group: dict, p: Tensor, w: Tensor, g: Tensor, cdt: torch.dtype, level: int,
+                      transformed: bool) -> tuple[Any | None, Tensor]:
+        """The fused backend for this parameter (None: the generic path) and
+        the gradient it gets. A backend whose ``supports`` accepts the
+        gradient's own dtype reads it as it is (the Triton kernels read bf16
+        and fp16): a bf16 gradient is not copied to fp32 first. Everything
+        else gets it in the compute dtype."""
+
+        def select(G: Tensor) -> Any | None:
+            if level == 0:
+                return self._plain_fused_kernel(group, p, w, G, transformed)
+            return self._fused_kernel(group, w, G, level) if self._use_fast(group, level) else None
+
+        fused = select(g)
+        if fused is not None or g.dtype == cdt:
+            return fused, g
+        G = g.to(cdt)
+        return select(G), G
 
     def _plain_fused_kernel(self, group: dict, p: Tensor, w: Tensor, G: Tensor, transformed: bool) -> Any | None:
         """A batched fused backend for a level-0 or 1-D parameter, or None.

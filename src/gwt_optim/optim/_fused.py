@@ -32,9 +32,11 @@ reference path:
     AdamW's 28). The whole steps of all parameters that need no collective
     run in one call, each parameter on one thread when there are at least two
     per thread (one OpenMP fork and join per optimizer step; a per-tensor
-    parallel loop stalls at every join when other processes hold a core).
-    float32 and float64; level 2 float32 block sums use AVX2 where the CPU
-    has it.
+    parallel loop stalls at every join when other processes hold a core),
+    each thread's phase 2 interleaved with the next parameter's phase 1.
+    float32 and float64, and bf16 weights and gradients with float32 moments
+    (levels up to 11: rows are converted in segments of whole blocks); float32
+    blocks of 2 and 4 entries use AVX2 where the CPU has it.
 ``"triton"`` (CUDA)
     :mod:`gwt_optim.optim._triton`: every transformed weight of a bucket in
     three launches per step over pointer tables (phase 1, a deterministic
@@ -100,6 +102,12 @@ class FusedBackend(Protocol):
     :meth:`GWTOptimizer._fused_kernel <gwt_optim.optim._base.GWTOptimizer._fused_kernel>`
     returns one for a parameter it takes. The optimizer has checked the state
     with :func:`check_state` before calling any method with it.
+
+    A batched backend may also provide ``step_batches(batches, limiter_eps)``:
+    ``step_many`` for the optimizer's step plan, a list of
+    :class:`~gwt_optim.optim._base.StepBatch` that stays the same from step to
+    step (see there for what the optimizer has checked); without it the plan
+    calls ``step_many`` with the same ParamSteps in the same order every step.
     """
 
     name: str
@@ -108,7 +116,12 @@ class FusedBackend(Protocol):
     batched: bool
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        """Whether this backend takes this parameter (device, dtypes, layout)."""
+        """Whether this backend takes this parameter (device, dtypes, layout).
+
+        ``G`` is first the gradient in its own dtype (bf16 for bf16 weights):
+        accepting it means the backend reads that dtype as it is, and the
+        optimizer makes no copy. Otherwise the optimizer casts ``G`` to the
+        compute dtype (at least fp32) and asks again."""
         ...
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
@@ -207,7 +220,10 @@ _FLAG_SETS = (
 # Vectorizing the selects around divisions needs -fno-trapping-math; the
 # kernels never read floating-point exception flags or errno.
 _COMMON_FLAGS = ["-std=gnu11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-Wno-unknown-pragmas"]
-_DTYPE_SUFFIX = {torch.float32: "float32", torch.float64: "float64"}
+# Weight (and gradient) dtype -> the kernels' suffix, and the dtype of their
+# moments and workspace: bf16 weights keep float32 moments.
+_DTYPE_SUFFIX = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+_STATE_DTYPE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
 
 
 class _Hyper(ctypes.Structure):
@@ -231,7 +247,7 @@ class _Task(ctypes.Structure):
         ("skipped", ctypes.c_int32),
         ("gamma", ctypes.c_double),
         ("limiter_eps", ctypes.c_double),
-        ("s", ctypes.c_double),
+        ("snorm", ctypes.c_void_p),
         ("hyper", _Hyper),
     ]
 
@@ -397,6 +413,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
         steps.restype = None
         steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    lib.gwt_bf16_max_level.restype = ctypes.c_int
+    lib.gwt_bf16_max_level.argtypes = []
     return lib
 
 
@@ -471,6 +489,13 @@ class NativeBackend:
         self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._phase2_clip = {dt: getattr(lib, f"gwt_adamw_haar_phase2_clip_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
+        # bf16 rows are converted a segment of whole blocks at a time, which bounds the block.
+        self._bf16_max_level = lib.gwt_bf16_max_level()
+        # The task array of the last batch, reused while the same tensors come
+        # back in the same order (every step of a training loop): filling one
+        # ctypes struct per parameter per step costs more than the kernel on
+        # small weights.
+        self._plans: dict[torch.dtype, tuple] = {}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
@@ -484,7 +509,8 @@ class NativeBackend:
             w.device.type == "cpu"
             and w.dtype in _DTYPE_SUFFIX
             and G.dtype == w.dtype
-            and moment_dtype == w.dtype
+            and moment_dtype == _STATE_DTYPE[w.dtype]
+            and (w.dtype != torch.bfloat16 or level <= self._bf16_max_level)
             and w.is_contiguous()
             and G.is_contiguous()
         )
@@ -512,7 +538,8 @@ class NativeBackend:
 
         ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._base.ParamStep`
         of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
-        ``decay`` = 1 - lr * weight_decay.
+        ``decay`` = 1 - lr * weight_decay. The kernels read and write the
+        limiter's norm ``state["limiter_norm"]`` in place.
         """
         skipped = []
         by_dtype: dict[torch.dtype, list] = {}
@@ -520,50 +547,85 @@ class NativeBackend:
             by_dtype.setdefault(item[0].param.dtype, []).append(item)
         threads = torch.get_num_threads()
         for dtype, items in by_dtype.items():
-            # Largest first, so that the dynamic schedule ends evenly.
-            items.sort(key=lambda item: -item[0].grad.numel())
-            tasks = (_Task * len(items))()
-            ws_numel = 0
-            for task, (ps, scale, decay) in zip(tasks, items):
-                group, state, G = ps.group, ps.state, ps.grad
-                beta1, beta2 = group["betas"]
-                M, V = state["exp_avg"], state["exp_avg_sq"]
-                n = G.shape[-1]
-                task.w, task.g, task.m, task.v = ps.param.data_ptr(), G.data_ptr(), M.data_ptr(), V.data_ptr()
-                task.rows, task.n = (G.numel() // n if n else 0), n
-                task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
-                task.limiter_eps = limiter_eps
-                task.s = state["limiter_norm"].item() if ps.limited else 0.0
-                # As _base.GWTOptimizer._limit: no norm recorded yet (a first
-                # step, or only skipped non-finite ones) starts the limiter.
-                task.level, task.first = ps.level, ps.step == 1 or not task.s > 0
-                task.hyper = _Hyper(
-                    h=2.0 ** (-ps.level / 2),
-                    w1=1.0 - beta1,
-                    beta2=beta2,
-                    eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
-                    scale=scale,
-                    decay=decay,
-                    clip=_clip(group),
-                )
-                ws_numel = max(ws_numel, 2 * M.numel())
-            # One parameter per thread when there are enough to share out and
-            # none would keep one thread busy after the others are done;
-            # otherwise one after the other, each split by rows.
-            sizes = [ps.grad.numel() for ps, _, _ in items]
-            across = threads > 1 and len(items) >= 2 * threads and sizes[0] * threads <= sum(sizes)
-            stride = ws_numel
-            needed = stride * (threads if across else 1)
-            buf = self._batch_workspace.get(dtype)
+            tasks, order, pipelined, stride = self._plan(dtype, items, threads, limiter_eps)
+            hypers: dict[tuple, _Hyper] = {}
+            for i, task in zip(order, tasks):
+                ps, scale, decay = items[i]
+                group = ps.group
+                # Steps, lr and decay are almost always shared: one struct each.
+                key = (id(group), ps.step, scale, decay)
+                hyper = hypers.get(key)
+                if hyper is None:
+                    beta1, beta2 = group["betas"]
+                    hyper = hypers[key] = _Hyper(
+                        h=2.0 ** (-ps.level / 2),
+                        w1=1.0 - beta1,
+                        beta2=beta2,
+                        eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
+                        scale=scale,
+                        decay=decay,
+                        clip=_clip(group),
+                    )
+                task.hyper = hyper
+                task.first = ps.step == 1
+            needed = stride * (2 * threads if pipelined else 1)
+            state_dtype = _STATE_DTYPE[dtype]
+            buf = self._batch_workspace.get(state_dtype)
             if buf is None or buf.numel() < needed:
-                buf = self._batch_workspace[dtype] = torch.empty(needed, dtype=dtype)
-            self._steps[dtype](tasks, len(items), buf.data_ptr(), stride, threads, int(across), _MIN_ENTRIES_PER_THREAD)
-            for task, (ps, _, _) in zip(tasks, items):
-                if task.skipped:
-                    skipped.append(ps)
-                elif ps.limited:
-                    ps.state["limiter_norm"].fill_(task.s)
+                buf = self._batch_workspace[state_dtype] = torch.empty(needed, dtype=state_dtype)
+            self._steps[dtype](tasks, len(items), buf.data_ptr(), stride, threads, int(pipelined), _MIN_ENTRIES_PER_THREAD)
+            skipped += [items[i][0] for i, task in zip(order, tasks) if task.skipped]
         return skipped
+
+    def _plan(self, dtype: torch.dtype, items: list, threads: int, limiter_eps: float) -> tuple:
+        """The task array of these parameters (largest first, so that the
+        dynamic schedule ends evenly), the item index of each task, whether to
+        pipeline them one parameter per thread (see ``gwt_adamw_haar_steps_*``
+        in ``_fused_cpu.c``), and the workspace size of one slot.
+
+        Everything in it but the per-step hyperparameters and the gradients'
+        addresses depends only on the weights' and states' addresses, the
+        shapes and the limiter's settings, so it is rebuilt only when one of
+        those changes (a loaded state, another group setting).
+        """
+        key = tuple(
+            (
+                ps.param.data_ptr(), ps.grad.shape, ps.level,
+                ps.state["exp_avg"].data_ptr(), ps.state["exp_avg_sq"].data_ptr(),
+                ps.state["limiter_norm"].data_ptr() if ps.limited else 0,
+                ps.group["norm_growth_limit"] if ps.limited else 0.0,
+            )
+            for ps, _, _ in items
+        ) + (threads, limiter_eps)
+        plan = self._plans.get(dtype)
+        if plan is not None and plan[0] == key:
+            # Gradients are new tensors on most steps (zero_grad frees them).
+            tasks, order = plan[1][0], plan[1][1]
+            for task, i in zip(tasks, order):
+                task.g = items[i][0].grad.data_ptr()
+            return plan[1]
+        order = sorted(range(len(items)), key=lambda i: -items[i][0].grad.numel())
+        tasks = (_Task * len(items))()
+        ws_numel = 0
+        for task, i in zip(tasks, order):
+            ps = items[i][0]
+            G, M = ps.grad, ps.state["exp_avg"]
+            n = G.shape[-1]
+            task.w, task.g, task.m, task.v = ps.param.data_ptr(), G.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
+            task.rows, task.n = (G.numel() // n if n else 0), n
+            task.level = ps.level
+            task.gamma = ps.group["norm_growth_limit"] if ps.limited else 0.0
+            task.limiter_eps = limiter_eps
+            task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
+            ws_numel = max(ws_numel, 2 * M.numel())
+        # One parameter per thread when there are enough to share out and
+        # none would keep one thread busy after the others are done;
+        # otherwise one after the other, each split by rows.
+        sizes = [items[i][0].grad.numel() for i in order]
+        pipelined = len(items) >= 2 * threads and sizes[0] * threads <= sum(sizes)
+        result = (tasks, order, pipelined, ws_numel)
+        self._plans[dtype] = (key, result)
+        return result
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
@@ -571,7 +633,7 @@ class NativeBackend:
         n = G.shape[-1]
         numel = G.numel()
         rows = numel // n if n else 0
-        buf, shared = self._buffer(2 * M.numel(), G.dtype)
+        buf, shared = self._buffer(2 * M.numel(), M.dtype)
         d = buf.data_ptr()
         t = d + M.numel() * buf.element_size()
         hyper = _Hyper(
@@ -586,7 +648,7 @@ class NativeBackend:
         )
         carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
         if shared:
-            self._owner[G.dtype] = weakref.ref(carry)
+            self._owner[M.dtype] = weakref.ref(carry)
         return norm_sq, carry
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
@@ -605,9 +667,9 @@ class NativeBackend:
             self._phase2[w.dtype](
                 w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
             )
-        owner = self._owner.get(w.dtype)
+        owner = self._owner.get(carry.buffer.dtype)
         if owner is not None and owner() is carry:
-            del self._owner[w.dtype]
+            del self._owner[carry.buffer.dtype]
 
 
 class FusedAdamWBackend:

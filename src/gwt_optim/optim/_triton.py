@@ -58,13 +58,15 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-__all__ = ["TritonBackend", "DEFAULT_CHUNK", "MAX_LEVEL"]
+__all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
 # Decided at import, as Triton decides it for the kernels below.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Entries of W per phase program (a power of two): big enough to amortize the
 # table lookups, small enough for registers.
 DEFAULT_CHUNK = 4096
+# Warps per phase program (Triton's own default).
+DEFAULT_WARPS = 4
 # A block is one row of a phase program's tile; 2^10 entries still fit.
 MAX_LEVEL = 10
 # Chunk partials summed per iteration of the limiter's loop.
@@ -85,14 +87,18 @@ _COLS = tl.constexpr(5)
 
 
 @triton.jit
-def _typed(addr, KIND: tl.constexpr):
-    """An int64 address as a pointer of the storage type of dtype code KIND."""
+def _typed(addr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """An int64 address as a pointer of the storage type of dtype code KIND;
+    ALIGNED: 16-byte aligned (checked on the host), which an address loaded
+    from a table cannot show the compiler otherwise."""
     if KIND == 0:
         p = addr.to(tl.pointer_type(tl.float32))
     elif KIND == 2:
         p = addr.to(tl.pointer_type(tl.float16))
     else:  # bf16 travels as its bits; see _to_f32 / _from_f32
         p = addr.to(tl.pointer_type(tl.uint16))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
     return p
 
 
@@ -122,9 +128,13 @@ def _from_f32(x, KIND: tl.constexpr):
 
 @triton.jit
 def _tile(ptrs, geom, chunk_tensor, skip, pid, B: tl.constexpr, TB: tl.constexpr, G_KIND: tl.constexpr,
-          SKIPPABLE: tl.constexpr):
+          SKIPPABLE: tl.constexpr, ALIGNED: tl.constexpr):
     """This program's chunk: its tensor, block ids, masks, offsets and gradient tile.
-    With SKIPPABLE, a parameter flagged in ``skip`` gets all-false masks."""
+    With SKIPPABLE, a parameter flagged in ``skip`` gets all-false masks.
+    ALIGNED: every block of the bucket is whole (b divides n) and every
+    address 16-byte aligned, so block q is entries q*b .. q*b + b - 1 and a
+    tile is contiguous: its loads and stores vectorize (128-bit for fp32 at
+    b >= 4), which row and column arithmetic with a runtime n prevents."""
     t = tl.load(chunk_tensor + pid).to(tl.int64)
     n = tl.load(geom + t * _COLS + _N)
     nb = tl.load(geom + t * _COLS + _NB)
@@ -136,13 +146,18 @@ def _tile(ptrs, geom, chunk_tensor, skip, pid, B: tl.constexpr, TB: tl.constexpr
     first = tl.load(geom + t * _COLS + _FIRST)
     q = (pid - first) * TB + tl.arange(0, TB)  # int64 block ids (rows of M)
     qmask = q < nblocks
-    row = q // nb
-    col = (q - row * nb)[:, None] * B + tl.arange(0, B)[None, :]
-    # The last block of a row is partial when b does not divide n: its
-    # missing entries are the zero padding of the transform.
-    emask = qmask[:, None] & (col < n)
-    off = row[:, None] * n + col
-    g_ptr = _typed(tl.load(ptrs + t * _COLS + _G), G_KIND)
+    if ALIGNED:
+        off = q[:, None] * B + tl.arange(0, B)[None, :]
+        # Constant along a block, as the vectorizer needs it to be.
+        emask = tl.broadcast_to(qmask[:, None], [TB, B])
+    else:
+        row = q // nb
+        col = (q - row * nb)[:, None] * B + tl.arange(0, B)[None, :]
+        # The last block of a row is partial when b does not divide n: its
+        # missing entries are the zero padding of the transform.
+        emask = qmask[:, None] & (col < n)
+        off = row[:, None] * n + col
+    g_ptr = _typed(tl.load(ptrs + t * _COLS + _G), G_KIND, ALIGNED)
     g = _to_f32(tl.load(g_ptr + off, mask=emask, other=0), G_KIND)
     return t, q, qmask, emask, off, g
 
@@ -160,15 +175,18 @@ def _phase1_kernel(
     ptrs, geom, chunk_tensor, partial, flags,
     h, w1, beta2, w2, eps2,
     B: tl.constexpr, TB: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr, LIMITED: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, flags, pid, B, TB, G_KIND, False)
+    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, flags, pid, B, TB, G_KIND, False, ALIGNED)
     bad = (g != g) | (tl.abs(g) == float("inf"))
     tl.store(flags + pid, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
     if LIMITED:
         A = tl.sum(g, axis=1) * h
-        m = _to_f32(tl.load(_typed(tl.load(ptrs + t * _COLS + _M), M_KIND) + q, mask=qmask, other=0), M_KIND)
-        v = _to_f32(tl.load(_typed(tl.load(ptrs + t * _COLS + _V), M_KIND) + q, mask=qmask, other=0), M_KIND)
+        m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND, ALIGNED) + q
+        v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND, ALIGNED) + q
+        m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
+        v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
         m, v = _moments(m, v, A, w1, beta2, w2)
         den = tl.sqrt_rn(v) + eps2
         u = tl.where(qmask & (den > 0), tl.div_rn(m, tl.where(den > 0, den, 1.0)), 0.0)
@@ -218,13 +236,14 @@ def _phase2_kernel(
     ptrs, geom, chunk_tensor, inv_r, skip,
     h, w1, beta2, w2, eps2, scale, decay, clip,
     B: tl.constexpr, TB: tl.constexpr, W_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # A skipped parameter (non-finite gradient) keeps W, M and V.
-    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, skip, pid, B, TB, G_KIND, True)
+    t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, skip, pid, B, TB, G_KIND, True, ALIGNED)
     A = tl.sum(g, axis=1) * h
-    m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND) + q
-    v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND) + q
+    m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND, ALIGNED) + q
+    v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND, ALIGNED) + q
     m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
     v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
     m, v = _moments(m, v, A, w1, beta2, w2)
@@ -236,7 +255,7 @@ def _phase2_kernel(
     detail = tl.minimum(tl.maximum(detail, -clip), clip)
     delta = (h * m * d)[:, None] + detail
     s = scale * tl.load(inv_r + t)
-    w_ptr = _typed(tl.load(ptrs + t * _COLS + _W), W_KIND) + off
+    w_ptr = _typed(tl.load(ptrs + t * _COLS + _W), W_KIND, ALIGNED) + off
     w = _to_f32(tl.load(w_ptr, mask=emask, other=0), W_KIND)
     tl.store(w_ptr, _from_f32(w * decay - s * delta, W_KIND), mask=emask)
 
@@ -279,10 +298,11 @@ class _Bucket:
 
     device: torch.device
     layout: tuple  # the shapes (and level) the geometry was built for
-    pointers: tuple  # the addresses the pointer table holds
+    pointers: tuple  # the address columns the pointer table holds (_addresses)
     geom: Tensor  # int64 (T, _COLS)
     chunks: Tensor  # int32 (total chunks,): the tensor of each chunk
-    ptrs: Tensor | None  # int64 (T, _COLS)
+    table: Tensor | None  # int64 (T, _COLS) on the host: the pointer table
+    ptrs: Tensor | None  # the same on the device
     partial: Tensor  # fp32 (total chunks,)
     flags: Tensor  # int32 (total chunks,)
     inv_r: Tensor  # fp32 (T,)
@@ -290,6 +310,20 @@ class _Bucket:
     norm_sq: Tensor  # fp32 (T,), MODE 2 only
     n_chunks: int
     n_tensors: int
+    whole: bool  # b divides every n: no partial blocks
+    aligned: bool = False  # whole, and every W, G, M, V address 16-byte aligned: the kernels' ALIGNED
+
+
+@dataclass
+class _Planned:
+    """One bucket of a StepBatch of the optimizer's step plan."""
+
+    batch: Any  # the StepBatch (its scalars change from step to step)
+    steps: list  # its ParamSteps in this bucket
+    level: int
+    limited: bool
+    kinds: tuple  # (W, G, moment) dtypes
+    bucket: _Bucket
 
 
 def _to_device(values: Tensor, device: torch.device) -> Tensor:
@@ -301,33 +335,69 @@ def _to_device(values: Tensor, device: torch.device) -> Tensor:
     return values.pin_memory().to(device, non_blocking=True)
 
 
+def _addresses(tensors: list, limited: bool) -> tuple[list[int], ...]:
+    """The pointer table's columns (W, G, M, V, s) for (W, G, state) triples."""
+    return (
+        [w.data_ptr() for w, _, _ in tensors],
+        [g.data_ptr() for _, g, _ in tensors],
+        [st["exp_avg"].data_ptr() for _, _, st in tensors],
+        [st["exp_avg_sq"].data_ptr() for _, _, st in tensors],
+        [st["limiter_norm"].data_ptr() for _, _, st in tensors] if limited else [0] * len(tensors),
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else int(value)
+
+
 class TritonBackend:
     """GWT-AdamW's Haar step on multi-tensor Triton kernels.
 
-    ``step_many(items, limiter_eps)`` steps many parameters in three launches
-    per bucket (what :class:`~gwt_optim.optim._base.GWTOptimizer` calls for
-    batched backends); ``step_one(ps, scale, decay, limiter_eps)`` is the same
-    for one parameter (for stepping each weight as its gradient is ready);
-    ``phase1``/``phase2`` split the step around an external limiter (FSDP2).
+    ``step_batches(batches, limiter_eps)`` runs the optimizer's step plan
+    (:class:`~gwt_optim.optim._base.StepBatch` lists that stay the same from
+    step to step) and ``step_many(items, limiter_eps)`` any other set of
+    parameters, each in three launches per bucket; ``step_one(ps, scale,
+    decay, limiter_eps)`` is the same for one parameter (for stepping each
+    weight as its gradient is ready); ``phase1``/``phase2`` split the step
+    around an external limiter (FSDP2).
+
+    ``chunk`` (entries of W per phase program, a power of two) and
+    ``num_warps`` (of the phase kernels) default to ``$GWT_TRITON_CHUNK`` and
+    ``$GWT_TRITON_WARPS``, else :data:`DEFAULT_CHUNK` and
+    :data:`DEFAULT_WARPS`; the variables let a benchmark sweep them
+    (``benchmarks/gpu_check.sh``) without code. ``cpu=True`` takes CPU
+    tensors too: the interpreter runs them (the default when it was on at
+    import), and ``benchmarks/host_time.py`` times the host side with the
+    launches replaced by counters.
     """
 
     name = "triton"
     batched = True
     detail_clip = True  # a kernel argument (+inf when off)
 
-    def __init__(self, chunk: int | None = None) -> None:
-        chunk = DEFAULT_CHUNK if chunk is None else chunk
+    def __init__(self, chunk: int | None = None, *, num_warps: int | None = None, cpu: bool = INTERPRET) -> None:
+        chunk = _env_int("GWT_TRITON_CHUNK", DEFAULT_CHUNK) if chunk is None else chunk
         if chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two, got {chunk}")
+        num_warps = _env_int("GWT_TRITON_WARPS", DEFAULT_WARPS) if num_warps is None else num_warps
+        if num_warps < 1 or num_warps & (num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {num_warps}")
         self.chunk = chunk
+        self.num_warps = num_warps
+        self.cpu = cpu
         self._buckets: dict[tuple, _Bucket] = {}
         self._ready: set[tuple] = set()
+        self._batches: list | None = None  # the step plan's StepBatch list that _planned splits
+        self._planned: list[_Planned] = []
 
     # ------------------------------------------------------- selection --- #
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
+        """Any of fp32, bf16 and fp16 for W and for G, independently: a bf16
+        or fp16 gradient is read as it is (the optimizer does not copy it)."""
         return (
-            (w.device.type == "cuda" or (INTERPRET and w.device.type == "cpu"))
+            (w.device.type == "cuda" or (self.cpu and w.device.type == "cpu"))
             and G.device == w.device
             and w.dtype in _KIND
             and G.dtype in _KIND
@@ -347,23 +417,57 @@ class TritonBackend:
         if key in self._ready:
             return
         b = 1 << level
-        W = torch.zeros(3, b + 1, dtype=w.dtype, device=w.device)
-        g = torch.zeros_like(W, dtype=G.dtype)
-        nb = -(-(b + 1) // b)
         state = {
-            "exp_avg": torch.zeros(3, nb, dtype=moment_dtype, device=w.device),
-            "exp_avg_sq": torch.zeros(3, nb, dtype=moment_dtype, device=w.device),
+            "exp_avg": torch.zeros(3, 2, dtype=moment_dtype, device=w.device),
+            "exp_avg_sq": torch.zeros(3, 2, dtype=moment_dtype, device=w.device),
             "limiter_norm": torch.zeros((), device=w.device),
         }
         group = {"betas": (0.9, 0.999), "eps": 1e-8, "norm_growth_limit": 1.01}
         hyper = self._hyper(group, level, 2, limited=True)
-        for limited in (True, False):
-            bucket = self._bucket((("prepare", limited),), [(W, g, state)], level, limited)
-            count = torch.zeros((), dtype=torch.int64, device=w.device)
-            self._launch(bucket, hyper, level, (w.dtype, G.dtype, moment_dtype), 0.0, 1.0, limited, 1e-8, count)
+        kinds = (w.dtype, G.dtype, moment_dtype)
+        # Both forms of the phase kernels: ALIGNED, and one entry into a
+        # storage (not 16-byte aligned), the general one.
+        for skew in (0, 1):
+            W = torch.zeros(6 * b + skew, dtype=w.dtype, device=w.device)[skew:].view(3, 2 * b)
+            g = torch.zeros_like(W, dtype=G.dtype)
+            for limited in (True, False):
+                bucket = self._bucket((("prepare", skew, limited),), [(W, g, state)], level, limited, kinds)
+                count = torch.zeros((), dtype=torch.int64, device=w.device)
+                self._launch(bucket, hyper, level, kinds, 0.0, 1.0, limited, 1e-8, count)
         self._ready.add(key)
 
     # ----------------------------------------------------------- steps --- #
+
+    def step_batches(self, batches: list, limiter_eps: float) -> Tensor | list:
+        """Whole steps of the optimizer's step plan: a list of
+        :class:`~gwt_optim.optim._base.StepBatch`, the same objects on every
+        step while the plan holds (see there for what the optimizer checks).
+
+        The split into buckets and the tables are made once per list, with
+        every check; afterwards only the gradients' addresses may change (the
+        optimizer has checked the rest), and their column of the pointer
+        table is uploaded again when they do. Returns what :meth:`step_many`
+        does.
+        """
+        if batches is not self._batches:
+            self._planned = [self._plan_bucket(batch, steps) for batch in batches
+                             for steps in self._split(batch.steps)]
+            self._batches = batches
+        if not self._planned:
+            return []
+        counts: dict[torch.device, Tensor] = {}
+        for entry in self._planned:
+            bucket, batch = entry.bucket, entry.batch
+            grads = [ps.grad.data_ptr() for ps in entry.steps]
+            if grads != bucket.pointers[1]:
+                self._point_grads(bucket, grads)
+            count = counts.get(bucket.device)
+            if count is None:
+                count = counts[bucket.device] = torch.zeros((), dtype=torch.int64, device=bucket.device)
+            hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited)
+            self._launch(bucket, hyper, entry.level, entry.kinds, batch.scale, batch.decay, entry.limited,
+                         limiter_eps, count)
+        return self._total(counts)
 
     def step_many(self, items: list, limiter_eps: float) -> Tensor | list:
         """Whole steps (phase 1, limiter, phase 2) of many parameters.
@@ -383,8 +487,7 @@ class TritonBackend:
             ps, scale, decay = item
             g = ps.group
             key = (
-                ps.param.device, ps.level, ps.param.dtype, ps.grad.dtype, ps.state["exp_avg"].dtype,
-                ps.limited, ps.step, scale, decay, tuple(g["betas"]), g["eps"], g.get("detail_clip"),
+                *self._bucket_key(ps), ps.step, scale, decay, tuple(g["betas"]), g["eps"], g.get("detail_clip"),
                 g["norm_growth_limit"] if ps.limited else None,
             )
             buckets.setdefault(key, []).append(item)
@@ -395,13 +498,11 @@ class TritonBackend:
                 count = counts[device] = torch.zeros((), dtype=torch.int64, device=device)
             ps0 = bucket_items[0][0]
             tensors = [(ps.param, ps.grad, ps.state) for ps, _, _ in bucket_items]
-            bucket = self._bucket(tuple(id(ps.param) for ps, _, _ in bucket_items), tensors, level, limited)
+            kinds = (wdt, gdt, mdt)
+            bucket = self._bucket(tuple(id(ps.param) for ps, _, _ in bucket_items), tensors, level, limited, kinds)
             hyper = self._hyper(ps0.group, level, step, limited)
-            self._launch(bucket, hyper, level, (wdt, gdt, mdt), scale, decay, limited, limiter_eps, count)
-        if len(counts) == 1:
-            return next(iter(counts.values()))
-        first = next(iter(counts.values()))
-        return sum((c.to(first.device, non_blocking=True) for c in counts.values()), torch.zeros_like(first))
+            self._launch(bucket, hyper, level, kinds, scale, decay, limited, limiter_eps, count)
+        return self._total(counts)
 
     def step_one(self, ps, scale: float, decay: float, limiter_eps: float) -> Tensor:
         """The whole step of one parameter on the same kernels (three launches);
@@ -412,9 +513,9 @@ class TritonBackend:
         """Phase 1 and the reduction of one parameter, for a caller that runs
         the limiter itself: returns ``(norm_sq, carry)``, norm_sq a 0-d tensor."""
         # Phase 1 never touches W (G stands in for it in this table) nor s.
-        bucket = self._bucket(("phase1", id(state)), [(G, G, state)], level, limited=False)
-        hyper = self._hyper(group, level, step, limited=False)
         kinds = (G.dtype, G.dtype, state["exp_avg"].dtype)
+        bucket = self._bucket(("phase1", id(state)), [(G, G, state)], level, False, kinds)
+        hyper = self._hyper(group, level, step, limited=False)
         self._launch_phase1(bucket, hyper, level, kinds, limited=True)
         _launch_limiter(
             (bucket.n_tensors,), bucket.ptrs, bucket.geom, bucket.partial, bucket.flags, bucket.inv_r, bucket.skip,
@@ -425,19 +526,47 @@ class TritonBackend:
     def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, scale: float, decay: float) -> None:
         reduced, hyper, state = carry
         # The phase-1 table pointed W at G (phase 1 does not know W); this one points at W.
-        bucket = self._bucket(("phase2", id(state)), [(w, G, state)], level, limited=False)
+        kinds = (w.dtype, G.dtype, state["exp_avg"].dtype)
+        bucket = self._bucket(("phase2", id(state)), [(w, G, state)], level, False, kinds)
         if isinstance(r, Tensor):
             reduced.inv_r[0].copy_(r.reciprocal())
         else:
             reduced.inv_r[0].fill_(1.0 / r)
-        self._launch_phase2(bucket, hyper, level, (w.dtype, G.dtype, state["exp_avg"].dtype), scale, decay,
-                            reduced.inv_r, reduced.skip)
+        self._launch_phase2(bucket, hyper, level, kinds, scale, decay, reduced.inv_r, reduced.skip)
 
     def invalidate(self) -> None:
         """Forget every cached table (they are also rebuilt when a pointer changes)."""
         self._buckets.clear()
+        self._batches, self._planned = None, []
 
     # --------------------------------------------------------- helpers --- #
+
+    @staticmethod
+    def _bucket_key(ps) -> tuple:
+        """What parameters must share to run in one set of launches, besides scalars."""
+        return (ps.param.device, ps.level, ps.param.dtype, ps.grad.dtype, ps.state["exp_avg"].dtype, ps.limited)
+
+    def _split(self, steps: list) -> list[list]:
+        split: dict[tuple, list] = {}
+        for ps in steps:
+            split.setdefault(self._bucket_key(ps), []).append(ps)
+        return list(split.values())
+
+    def _plan_bucket(self, batch, steps: list) -> _Planned:
+        _, level, wdt, gdt, mdt, limited = self._bucket_key(steps[0])
+        tensors = [(ps.param, ps.grad, ps.state) for ps in steps]
+        kinds = (wdt, gdt, mdt)
+        self._validate(tensors, level, limited, tensors[0][0].device, kinds)
+        bucket = self._new_bucket(tensors, level, limited)
+        self._point(bucket, _addresses(tensors, limited))
+        return _Planned(batch, steps, level, limited, kinds, bucket)
+
+    @staticmethod
+    def _total(counts: dict[torch.device, Tensor]) -> Tensor:
+        if len(counts) == 1:
+            return next(iter(counts.values()))
+        first = next(iter(counts.values()))
+        return sum((c.to(first.device, non_blocking=True) for c in counts.values()), torch.zeros_like(first))
 
     @staticmethod
     def _hyper(group: dict, level: int, step: int, limited: bool) -> _Hyper:
@@ -454,58 +583,81 @@ class TritonBackend:
             clip=math.inf if clip is None else float(clip),
         )
 
-    def _bucket(self, key: tuple, tensors: list, level: int, limited: bool) -> _Bucket:
+    def _bucket(self, key: tuple, tensors: list, level: int, limited: bool, kinds: tuple) -> _Bucket:
         """The cached tables for these (W, G, state) triples, rebuilt when a
         shape or an address has changed."""
-        b = 1 << level
-        w0 = tensors[0][0]
         layout = (level, limited, tuple(w.shape for w, _, _ in tensors))
-        pointers = tuple(
-            (w.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-             st["limiter_norm"].data_ptr() if limited else 0)
-            for w, g, st in tensors
-        )
+        columns = _addresses(tensors, limited)
         bucket = self._buckets.get(key)
-        if bucket is not None and bucket.layout == layout and bucket.pointers == pointers:
+        if bucket is not None and bucket.layout == layout and bucket.pointers == columns:
             return bucket
-        device = w0.device
-        self._validate(tensors, level, limited, device)
+        self._validate(tensors, level, limited, tensors[0][0].device, kinds)
         if bucket is None or bucket.layout != layout:
             if len(self._buckets) > 4096:  # many single-parameter buckets of dead parameters
                 self._buckets.clear()
-            tb = max(1, self.chunk // b)
-            geom, counts, first = [], [], 0
-            for w, _, _ in tensors:
-                n = w.shape[-1]
-                nb = -(-n // b)
-                nblocks = (w.numel() // n) * nb if n else 0
-                count = -(-nblocks // tb)
-                geom += [n, nb, nblocks, first, count]
-                counts.append(count)
-                first += count
-            chunks = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), torch.tensor(counts))
-            total = max(first, 1)
-            bucket = _Bucket(
-                device=device, layout=layout, pointers=(),
-                geom=_to_device(torch.tensor(geom, dtype=torch.int64), device),
-                chunks=_to_device(chunks, device),
-                ptrs=None,
-                partial=torch.empty(total, dtype=torch.float32, device=device),
-                flags=torch.empty(total, dtype=torch.int32, device=device),
-                inv_r=torch.empty(len(tensors), dtype=torch.float32, device=device),
-                skip=torch.empty(len(tensors), dtype=torch.int32, device=device),
-                norm_sq=torch.empty(len(tensors), dtype=torch.float32, device=device),
-                n_chunks=first, n_tensors=len(tensors),
-            )
-        bucket.ptrs = _to_device(torch.tensor(pointers, dtype=torch.int64).reshape(-1), device)
-        bucket.pointers = pointers
+            bucket = self._new_bucket(tensors, level, limited)
+        self._point(bucket, columns)
         self._buckets[key] = bucket
         return bucket
 
-    @staticmethod
-    def _validate(tensors: list, level: int, limited: bool, device: torch.device) -> None:
-        """What the kernels assume of every tensor whose address they get."""
+    def _new_bucket(self, tensors: list, level: int, limited: bool) -> _Bucket:
+        """Geometry and workspaces for these (W, G, state) triples; no pointers yet."""
         b = 1 << level
+        device = tensors[0][0].device
+        tb = self._tb(level)
+        geom, counts, first = [], [], 0
+        for w, _, _ in tensors:
+            n = w.shape[-1]
+            nb = -(-n // b)
+            nblocks = (w.numel() // n) * nb if n else 0
+            count = -(-nblocks // tb)
+            geom += [n, nb, nblocks, first, count]
+            counts.append(count)
+            first += count
+        chunks = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), torch.tensor(counts))
+        total = max(first, 1)
+        return _Bucket(
+            device=device, layout=(level, limited, tuple(w.shape for w, _, _ in tensors)), pointers=(),
+            geom=_to_device(torch.tensor(geom, dtype=torch.int64), device),
+            chunks=_to_device(chunks, device),
+            table=None,
+            ptrs=None,
+            partial=torch.empty(total, dtype=torch.float32, device=device),
+            flags=torch.empty(total, dtype=torch.int32, device=device),
+            inv_r=torch.empty(len(tensors), dtype=torch.float32, device=device),
+            skip=torch.empty(len(tensors), dtype=torch.int32, device=device),
+            norm_sq=torch.empty(len(tensors), dtype=torch.float32, device=device),
+            n_chunks=first, n_tensors=len(tensors),
+            whole=all(w.shape[-1] % b == 0 for w, _, _ in tensors),
+        )
+
+    @staticmethod
+    def _point(bucket: _Bucket, columns: tuple) -> None:
+        """Upload the pointer table for these address columns."""
+        bucket.table = torch.tensor(columns, dtype=torch.int64).t().contiguous()
+        bucket.ptrs = _to_device(bucket.table.reshape(-1), bucket.device)
+        bucket.pointers = columns
+        bucket.aligned = bucket.whole and not any(a & 15 for column in columns[:4] for a in column)
+
+    @staticmethod
+    def _point_grads(bucket: _Bucket, grads: list[int]) -> None:
+        """Upload the pointer table with a new gradient column (half the host
+        work of :meth:`_point`; the step plan's gradients change each step
+        when backward makes new ones)."""
+        # In place: on CUDA the upload stages a copy, and on CPU the previous
+        # launch has finished.
+        bucket.table[:, 1] = torch.tensor(grads, dtype=torch.int64)
+        bucket.ptrs = _to_device(bucket.table.reshape(-1), bucket.device)
+        w, _, *state = bucket.pointers
+        bucket.pointers = (w, grads, *state)
+        bucket.aligned = bucket.whole and not any(a & 15 for column in bucket.pointers[:4] for a in column)
+
+    @staticmethod
+    def _validate(tensors: list, level: int, limited: bool, device: torch.device, kinds: tuple) -> None:
+        """What the kernels assume of every tensor whose address they get;
+        ``kinds``: the (W, G, moment) dtypes the launches will read them as."""
+        b = 1 << level
+        wdt, gdt, mdt = kinds
         for w, g, st in tensors:
             M, V = st["exp_avg"], st["exp_avg_sq"]
             n = w.shape[-1] if w.ndim else 1
@@ -521,10 +673,10 @@ class TritonBackend:
             for name, x in (("exp_avg", M), ("exp_avg_sq", V)):
                 if tuple(x.shape) != moment_shape:
                     problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
-            if M.dtype != V.dtype or M.dtype not in _MOMENT_KINDS:
-                problems.append(f"moments of dtypes {M.dtype}/{V.dtype}")
-            if w.dtype not in _KIND or g.dtype not in _KIND:
-                problems.append(f"parameter/gradient dtypes {w.dtype}/{g.dtype}")
+            if M.dtype != mdt or V.dtype != mdt or mdt not in _MOMENT_KINDS:
+                problems.append(f"moments of dtypes {M.dtype}/{V.dtype}, the kernels read {mdt}")
+            if w.dtype != wdt or g.dtype != gdt or wdt not in _KIND or gdt not in _KIND:
+                problems.append(f"parameter/gradient dtypes {w.dtype}/{g.dtype}, the kernels read {wdt}/{gdt}")
             if limited:
                 s = st.get("limiter_norm")
                 if not (isinstance(s, Tensor) and s.ndim == 0 and s.dtype == torch.float32 and s.device == device):
@@ -546,6 +698,7 @@ class TritonBackend:
             (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, bucket.partial, bucket.flags,
             hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2,
             B=1 << level, TB=self._tb(level), G_KIND=_KIND[gdt], M_KIND=_KIND[mdt], LIMITED=limited,
+            ALIGNED=bucket.aligned, num_warps=self.num_warps,
         )
 
     def _launch_phase2(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float,
@@ -557,6 +710,7 @@ class TritonBackend:
             (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, inv_r, skip,
             hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(scale), float(decay), hyper.clip,
             B=1 << level, TB=self._tb(level), W_KIND=_KIND[wdt], G_KIND=_KIND[gdt], M_KIND=_KIND[mdt],
+            ALIGNED=bucket.aligned, num_warps=self.num_warps,
         )
 
     def _launch(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float, decay: float,

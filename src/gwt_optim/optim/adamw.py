@@ -138,7 +138,7 @@ class GWTAdamW(GWTOptimizer):
         if self._kernels is None:
             # Built lazily: the C compiler or Triton runs on the first step only.
             self._kernels = _fused.AdamWHaarKernels(self._compile)
-        backend = self._kernels.select(w, G, self._moment_dtype(group, G.dtype), level)
+        backend = self._kernels.select(w, G, self._moment_dtype(group, self._compute_dtype(w)), level)
         if backend is not None and group["detail_clip"] is not None and not getattr(backend, "detail_clip", False):
             return None  # this backend has no clipped form: the eager path is exact
         return backend

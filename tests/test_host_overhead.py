@@ -1,0 +1,253 @@
+"""The host side of a batched step: the step plan (GWTOptimizer.step) and
+bf16 gradients reaching the Triton kernels without a copy.
+
+The Triton backend runs here on CPU tensors with its launches replaced by
+counters (``TritonBackend(cpu=True)``, as ``benchmarks/host_time.py`` times
+it): what is checked is the Python side, so no kernel runs. Results are
+compared bit for bit on the CPU's batched paths (``torch._fused_adamw_`` for
+level 0, the native kernels when a C compiler is there) against the same
+optimizer with the plan turned off; the Triton kernels' results under the plan
+are checked in Triton's interpreter (tests/test_triton.py). No timing here:
+``benchmarks/host_time.py`` measures.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gwt_optim import GWTAdamW
+from gwt_optim.optim import _fused
+from gwt_optim.optim._base import GWTOptimizer
+
+
+@pytest.fixture
+def mocked(monkeypatch):
+    """The Triton backend on CPU tensors with counted no-op launches; counts
+    _phase1 calls too (the per-parameter path a held plan skips)."""
+    _triton = pytest.importorskip("gwt_optim.optim._triton", exc_type=ImportError)
+    calls = {"launch": 0, "phase1": 0}
+
+    def launch(*args, **meta):
+        calls["launch"] += 1
+
+    for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
+        monkeypatch.setattr(_triton, name, launch)
+    monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
+    phase1 = GWTOptimizer._phase1
+
+    def counted(self, *args, **kwargs):
+        calls["phase1"] += 1
+        return phase1(self, *args, **kwargs)
+
+    monkeypatch.setattr(GWTOptimizer, "_phase1", counted)
+    return calls
+
+
+def _params(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(8, 32), (4, 3, 16), (6, 20), (12,), (5,)]  # two 1-D: the level-0 bucket
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def _grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+
+
+def _reset(calls):
+    calls.update(dict.fromkeys(calls, 0))
+
+
+# ------------------------------------------------------------- the plan --- #
+
+
+def test_a_held_plan_skips_the_per_parameter_path(mocked):
+    params = _params()
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    grads = [_grads(params, 1), _grads(params, 2)]
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()
+    plan = opt._plan
+    assert plan is not None and mocked["phase1"] == len(params)
+    _reset(mocked)
+    for t in range(4):
+        for p, g in zip(params, grads[t % 2]):  # new gradient tensors every step: a new pointer column
+            p.grad = g
+        opt.param_groups[0]["lr"] = 1e-2 / (t + 2)  # a scheduler: a kernel argument, no new plan
+        opt.step()
+    assert opt._plan is plan
+    assert mocked["phase1"] == 0
+    assert mocked["launch"] == 4 * 2 * 3  # two buckets (level 2, level 0), three launches each
+    for st in opt.state.values():
+        assert st["step"].dtype == torch.float32 and st["step"].device.type == "cpu" and st["step"].ndim == 0
+        assert st["step"].item() == 5
+    assert all(ps.grad is None for ps in plan.fast)  # the plan keeps no gradient alive
+
+
+def _new_state_tensor(opt, params):
+    opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].clone()
+
+
+def _moved_state_tensor(opt, params):
+    v = opt.state[params[1]]["exp_avg_sq"]
+    v.data = v.data.clone()  # the same tensor object at a new address
+
+
+@pytest.mark.parametrize(
+    "change, new_plan",
+    [
+        (lambda opt, params: opt.load_state_dict(opt.state_dict()), True),
+        (lambda opt, params: opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 8))]}), True),
+        (lambda opt, params: opt.param_groups[0].__setitem__("norm_growth_limit", None), True),
+        (lambda opt, params: setattr(params[0], "data", params[0].data.clone()), True),
+        (lambda opt, params: opt.state[params[1]]["exp_avg"].mul_(0.5), False),
+        (_new_state_tensor, True),
+        (_moved_state_tensor, True),
+        (lambda opt, params: opt.state[params[2]]["step"].fill_(7), True),
+        (lambda opt, params: opt.state.__setitem__(params[2], dict(opt.state[params[2]])), True),
+        (lambda opt, params: setattr(params[3], "grad", None), True),
+        (lambda opt, params: setattr(params[0], "grad", params[0].grad.t().contiguous().t()), True),
+        (lambda opt, params: opt.param_groups[0].__setitem__("weight_decay", 0.1), False),
+    ],
+    ids=["load_state_dict", "add_param_group", "limiter-off", "moved-param", "in-place-state", "new-state-tensor",
+         "moved-state-tensor", "step-written", "state-dict-replaced", "grad-gone", "non-contiguous-grad",
+         "weight-decay"],
+)
+def test_what_makes_a_new_plan(mocked, change, new_plan):
+    params = _params()
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    for t in range(2):
+        for p, g in zip(params, _grads(params, t)):
+            p.grad = g
+        opt.step()
+    plan = opt._plan
+    for p, g in zip(params, _grads(params, 5)):
+        p.grad = g
+    change(opt, params)
+    _reset(mocked)
+    opt.step()
+    assert (opt._plan is not plan) == new_plan
+    with_grads = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
+    assert mocked["phase1"] == (with_grads if new_plan else 0)
+
+
+def test_a_level_change_routes_again(mocked):
+    params = _params()
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    for p, g in zip(params, _grads(params, 1)):
+        p.grad = g
+    opt.step()
+    plan = opt._plan
+    opt.param_groups[0]["level"] = 3
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    # The saved moments have the level-2 shapes: the full checks run and say so.
+    with pytest.raises(ValueError, match="state 'exp_avg' has shape"):
+        opt.step()
+    assert opt._plan is not plan
+
+
+# ------------------------------------------------- bf16 gradients, no copy --- #
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gradients_reach_the_kernels_as_they_are(mocked, monkeypatch, dtype):
+    from gwt_optim.optim import _triton
+
+    seen = []
+    step_batches = _triton.TritonBackend.step_batches
+
+    def spy(self, batches, limiter_eps):
+        seen.extend((ps.grad, ps.full_param.grad) for b in batches for ps in b.steps)
+        return step_batches(self, batches, limiter_eps)
+
+    monkeypatch.setattr(_triton.TritonBackend, "step_batches", spy)
+    params = _params(dtype)
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    for t in range(2):  # the step that makes the plan, and one that holds it
+        for p, g in zip(params, _grads(params, t)):
+            p.grad = g
+        opt.step()
+    assert len(seen) == 2 * len(params)
+    assert all(g is raw and g.dtype == dtype for g, raw in seen)
+    for st in opt.state.values():  # the moments stay fp32
+        assert st["exp_avg"].dtype == torch.float32
+
+
+def test_an_fp32_weight_with_bf16_gradients(mocked):
+    # torch lets a parameter's gradients have another dtype (grad_dtype); the
+    # kernels read them as they are, the moments follow the weight.
+    p = torch.nn.Parameter(torch.randn(8, 32))
+    p.grad_dtype = None
+    opt = GWTAdamW([p], lr=1e-2, compile="triton")
+    p.grad = torch.randn(8, 32).bfloat16()
+    opt.step()
+    (ps,) = opt._plan.fast
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.fused.name == "triton"
+    assert opt._plan.grad_specs == [(torch.bfloat16, True)]
+
+
+# ------------------------------------------- results: plan or no plan --- #
+
+
+def _native_or_skip():
+    try:
+        _fused.native_library()
+    except _fused.KernelUnavailable as exc:
+        pytest.skip(f"no C compiler for the native kernels: {exc}")
+
+
+@pytest.mark.parametrize("path", ["fused_adamw", "native"])
+def test_the_plan_changes_no_bit(path):
+    """Training through every reason for a new plan gives bit for bit what
+    the same optimizer gives with no plan at all (every step the full path),
+    state dicts included, at every step."""
+    if path == "native":
+        _native_or_skip()
+        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, compile=True)
+    else:  # level 0, alpha 1, no limiter: torch._fused_adamw_ for every parameter
+        kw = dict(lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None)
+
+    def run(plan: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if not plan:
+                mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
+            return train(plan)
+
+    def train(plan: bool):
+        params = _params()
+        opt = GWTAdamW(params, **kw)
+        sds = []
+        for t in range(9):
+            grads = _grads(params, t)
+            if t == 3:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                opt.load_state_dict(torch.load(buf, weights_only=True))
+            if t == 4:
+                grads[2] = None  # a parameter sits out a step
+            if t == 5:
+                params[0].data = params[0].data.clone()
+            if t == 6:
+                opt.param_groups[0]["lr"] = 3e-3
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            sds.append(opt.state_dict())
+        assert (opt._plan is not None) == plan
+        return params, sds
+
+    got, got_sds = run(plan=True)
+    want, want_sds = run(plan=False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for sa, sb in zip(got_sds, want_sds):
+        assert sa["state"].keys() == sb["state"].keys()
+        for i in sb["state"]:
+            for key, v in sb["state"][i].items():
+                assert torch.equal(sa["state"][i][key], v), (i, key)
