@@ -17,7 +17,15 @@
 # protocol's run folders for `quality.py --report-only`) in $OUT/session.tgz:
 # the device tool brings back only a few files.
 #
+#   E. (only when asked) gpu_check.sh section 4: the sweep of the Triton
+#      kernels' chunk size and num_warps.
+#
+# PARTS picks the parts and their order (default "A B wait C D"; "wait" waits
+# for A's background sweep). The GPU step alone (issue 11), most important
+# first, in about 9 minutes: PARTS="C B E D".
+#
 #   OUT=/tmp/o COMMIT=abc1234 bash benchmarks/device_session.sh
+#   OUT=/tmp/o COMMIT=abc1234 PARTS="C B E D" bash benchmarks/device_session.sh
 #   DEVICE=cpu SWEEP_S=60 STEPS=2 ... bash benchmarks/device_session.sh   # CPU rehearsal
 #
 # Needs: python3 with torch (CUDA) and triton; $CARRY/whl with the wheels the
@@ -35,6 +43,8 @@ SWEEP_S=${SWEEP_S:-330}
 JOBS=${JOBS:-12}
 PY=${PYTHON:-python3}
 COMMIT=${COMMIT:-unknown}
+PARTS=${PARTS:-A B wait C D}
+SWEEP=
 case $CARRY in /*) ;; *) CARRY=$ROOT/$CARRY ;; esac
 WORK=${WORK:-/tmp/gwt-device-session}
 mkdir -p "$OUT" "$WORK"
@@ -53,39 +63,59 @@ export TOKENIZERS_PARALLELISM=false
 "$PY" -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), sys.version.split()[0])"
 
 # A. the protocol (its own deadline; the report is written even when cut short)
-Q=$WORK/quality
-# gwt-adamw's default is detail_clip=0.5; the regime study adds the paper's update
-EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=1"
-stamp "A. protocol started (deadline ${SWEEP_S} s, ${JOBS} jobs)"
-"$PY" benchmarks/quality.py --tokens-per-step 8192,2048 --regime --extra "$EXTRA" \
-  --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options compile=false \
-  --commit "$COMMIT" --deadline "$SWEEP_S" --grace 40 --out "$Q" ${STEPS:+--steps $STEPS} \
-  > "$WORK/quality.log" 2>&1 &
-SWEEP=$!
+part_A() {
+  Q=$WORK/quality
+  # gwt-adamw's default is detail_clip=0.5; the regime study adds the paper's update
+  EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=1"
+  stamp "A. protocol started (deadline ${SWEEP_S} s, ${JOBS} jobs)"
+  "$PY" benchmarks/quality.py --tokens-per-step 8192,2048 --regime --extra "$EXTRA" \
+    --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options compile=false \
+    --commit "$COMMIT" --deadline "$SWEEP_S" --grace 40 --out "$Q" ${STEPS:+--steps $STEPS} \
+    > "$WORK/quality.log" 2>&1 &
+  SWEEP=$!
+}
 
-# B. Triton correctness beside it (correctness does not need a quiet GPU)
-if [[ "$DEVICE" == cuda ]]; then
+# wait: the end of A (the step-time parts need a quiet GPU)
+part_wait() {
+  [[ -n "${SWEEP:-}" ]] || return 0
+  wait $SWEEP
+  stamp "A. protocol done (exit $?)"
+  cp "$Q/quality.md" "$OUT/" 2>/dev/null
+  tail -5 "$WORK/quality.log" | tee -a "$OUT/session.log"
+  pack
+  SWEEP=
+}
+
+# B. Triton correctness (it does not need a quiet GPU: it runs beside A)
+part_B() {
+  [[ "$DEVICE" == cuda ]] || return 0
   stamp "B. triton correctness"
   GPU_CHECK_SECTIONS=1 timeout 200 bash benchmarks/gpu_check.sh > "$OUT/check_triton.md" 2>&1
   stamp "B. done (exit $?)"
-fi
-wait $SWEEP
-stamp "A. protocol done (exit $?)"
-cp "$Q/quality.md" "$OUT/" 2>/dev/null
-tail -5 "$WORK/quality.log" | tee -a "$OUT/session.log"
-pack
+}
 
-# C. step time on a quiet GPU
-if [[ "$DEVICE" == cuda ]]; then
+# C. step time on a quiet GPU: GPU time, host time and GB/s against fused AdamW
+part_C() {
+  [[ "$DEVICE" == cuda ]] || return 0
   stamp "C. step time"
-  GPU_CHECK_LEVELS=0 GPU_CHECK_SECTIONS=2 OUT="$WORK/step" bash benchmarks/gpu_check.sh > "$OUT/check_step.md" 2>&1
+  GPU_CHECK_LEVELS=0 GPU_CHECK_SECTIONS=2 OUT="$WORK/step" timeout 200 bash benchmarks/gpu_check.sh \
+    > "$OUT/check_step.md" 2>&1
   stamp "C. done (exit $?)"
-fi
+}
+
+# E. the sweep of the Triton kernels' chunk size and num_warps (at most about 3 minutes)
+part_E() {
+  [[ "$DEVICE" == cuda ]] || return 0
+  stamp "E. chunk and num_warps sweep"
+  GPU_CHECK_SECTIONS=4 timeout 230 bash benchmarks/gpu_check.sh > "$OUT/check_sweep.md" 2>&1
+  stamp "E. done (exit $?)"
+}
 
 # D. finetune lm tokens/s on the SmolLM2-135M shape
-stamp "D. finetune lm throughput"
-SMOL=$WORK/smollm2-random
-"$PY" - "$CARRY/smollm2-shape" "$SMOL" <<'PYEOF'
+part_D() {
+  stamp "D. finetune lm throughput"
+  SMOL=$WORK/smollm2-random
+  "$PY" - "$CARRY/smollm2-shape" "$SMOL" <<'PYEOF'
 import shutil, sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -97,12 +127,18 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(f"{src}/{f}", dst)
 print("random SmolLM2-135M-shaped model:", sum(p.numel() for p in model.parameters()), "parameters")
 PYEOF
-FT_STEPS=${FT_STEPS:-30}
-timeout 170 "$PY" -m gwt_optim finetune lm --model "$SMOL" --data demo --methods adamw,gwt-adamw:level=2 \
-  --lrs 1e-5 --steps "$FT_STEPS" --batch-size "${FT_BATCH:-8}" --seq-len "${FT_SEQ:-512}" --eval-batches 2 --device "$DEVICE" \
-  --out "$WORK/finetune-lm" --no-progress > "$WORK/finetune_lm.log" 2>&1
-stamp "D. done (exit $?)"
-tail -25 "$WORK/finetune_lm.log" > "$OUT/finetune_lm.md"
-rm -rf "$SMOL"
-pack
+  FT_STEPS=${FT_STEPS:-30}
+  timeout 170 "$PY" -m gwt_optim finetune lm --model "$SMOL" --data demo --methods adamw,gwt-adamw:level=2 \
+    --lrs 1e-5 --steps "$FT_STEPS" --batch-size "${FT_BATCH:-8}" --seq-len "${FT_SEQ:-512}" --eval-batches 2 \
+    --device "$DEVICE" --out "$WORK/finetune-lm" --no-progress > "$WORK/finetune_lm.log" 2>&1
+  stamp "D. done (exit $?)"
+  tail -25 "$WORK/finetune_lm.log" > "$OUT/finetune_lm.md"
+  rm -rf "$SMOL"
+  pack
+}
+
+for part in $PARTS; do
+  "part_$part"
+done
+part_wait
 stamp "session done"
