@@ -75,7 +75,9 @@ def parameters(shrink: int, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.
 
 
 def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warmup: int, steps: int,
-               counts: dict[str, int]) -> list[float]:
+               counts: dict[str, int], per_param: bool = False) -> list[float]:
+    """Host seconds of each timed step: ``step()``, or with ``per_param``
+    one ``step_param`` per parameter (as stepping inside backward does)."""
     times = []
     for t in range(warmup + steps):
         if t == warmup:
@@ -83,7 +85,11 @@ def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warm
         for p, g in zip(params, grads[t % len(grads)]):
             p.grad = g
         t0 = time.perf_counter()
-        opt.step()
+        if per_param:
+            for p in params:
+                opt.step_param(p)
+        else:
+            opt.step()
         dt = time.perf_counter() - t0
         if t >= warmup:
             times.append(dt)
@@ -105,23 +111,23 @@ def main() -> None:
     print("| optimizer | dtype | gradients | host ms/step | launches/step | parameters |")
     print("|---|---|---|---:|---:|---|")
     for dtype in (torch.float32, torch.bfloat16):
+        triton = lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="triton")  # noqa: E731
         cases = [
-            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "fixed",
-             lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="triton")),
-            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "new",
-             lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="triton")),
+            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "fixed", triton),
+            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "new", triton),
+            # what gwt_optim.step_in_backward costs: one step_param per weight
+            ("GWT-AdamW l=%d (triton, launches mocked), step_param each" % args.level, "new", triton),
             ("AdamW fused (CPU, computes)", "fixed", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+            ("GWT-AdamW l=%d (native, computes)" % args.level, "fixed",
+             lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")),
         ]
-        if dtype == torch.float32:  # the native kernels take fp32/fp64 only
-            cases.append(("GWT-AdamW l=%d (native, computes)" % args.level, "fixed",
-                          lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")))
         for label, grad_kind, make in cases:
             params = parameters(args.shrink, dtype)
             gen = torch.Generator().manual_seed(1)
             sets = 2 if grad_kind == "new" else 1
             grads = [[torch.randn(p.shape, generator=gen).to(dtype) for p in params] for _ in range(sets)]
             opt = make(params)
-            times = time_steps(opt, params, grads, args.warmup, args.steps, counts)
+            times = time_steps(opt, params, grads, args.warmup, args.steps, counts, "step_param" in label)
             launched = sum(counts.values()) / args.steps
             n_mat = sum(p.ndim >= 2 for p in params)
             ms = statistics.median(times) * 1e3

@@ -227,6 +227,38 @@ def test_native_bfloat16_matches_eager(shape, level, clip, count_fused):
         torch.testing.assert_close(st[key], want_st[key], rtol=1e-6, atol=1e-6 * want_st[key].abs().max().item())
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_native_bfloat16_level0_vectors_beside_matrices(scale, count_fused):
+    # torch's CPU AdamW kernel takes one dtype for weights and moments, so bf16
+    # vectors with fp32 moments step on the native kernels' level 0 (blocks of
+    # one entry), in the same batch as the group's matrices at their level.
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    W0 = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in [(300,), (6, 64), (40,), (5, 36)]]
+    grads = [[torch.randn(w.shape, generator=gen).bfloat16() for w in W0] for _ in range(4)]
+
+    def train(**kw):
+        params = [torch.nn.Parameter(w.clone()) for w in W0]
+        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, scale=scale, **kw)
+        for gs in grads:
+            for q, g in zip(params, gs):
+                q.grad = g.clone()
+            opt.step()
+        return [q.detach() for q in params], opt
+
+    got, opt = train(compile=True)
+    want, eager = train(compile=False)
+    assert count_fused == {"native": 4 * len(W0)}
+    for a, b in zip(got, want):
+        ulps = (_bf16_bits(a) - _bf16_bits(b)).abs()
+        # a weight that an update nearly cancels is tiny, and an fp32 rounding
+        # of the update moves it by many of its own ulps: compare those by value
+        close = torch.isclose(a.float(), b.float(), rtol=0, atol=1e-6)
+        assert bool((close | (ulps <= 2)).all()) and (ulps == 0).float().mean().item() >= 0.99
+    for p, q in zip(opt.param_groups[0]["params"], eager.param_groups[0]["params"]):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], eager.state[q]["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
 def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
     _native_or_skip()
     backend = _fused.NativeBackend()

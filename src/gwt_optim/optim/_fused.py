@@ -552,8 +552,9 @@ class NativeBackend:
             for i, task in zip(order, tasks):
                 ps, scale, decay = items[i]
                 group = ps.group
-                # Steps, lr and decay are almost always shared: one struct each.
-                key = (id(group), ps.step, scale, decay)
+                # Steps, lr and decay are almost always shared: one struct each
+                # (a group's 1-D weights step at level 0, its matrices at its level).
+                key = (id(group), ps.level, ps.step, scale, decay)
                 hyper = hypers.get(key)
                 if hyper is None:
                     beta1, beta2 = group["betas"]
@@ -774,8 +775,10 @@ class AdamWHaarKernels:
         that backend on every device it supports; failing to build raises.
 
     Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
-    ``torch._fused_adamw_`` on CPU and the Triton kernels on CUDA, unless
-    ``compile`` is ``False`` (or names a backend without a level-0 step).
+    ``torch._fused_adamw_`` on CPU (the native kernels for bf16 weights with
+    fp32 moments, which torch's kernel does not take) and the Triton kernels on
+    CUDA, unless ``compile`` is ``False`` (or names a backend without a
+    level-0 step).
     """
 
     def __init__(self, compile: bool | str | None) -> None:
@@ -817,7 +820,14 @@ class AdamWHaarKernels:
             return None
         if level == 0:
             if w.device.type == "cpu" and self.compile != "triton":
-                return self._plain_cpu if self._plain_cpu.supports(w, G, moment_dtype, 0) else None
+                if self._plain_cpu.supports(w, G, moment_dtype, 0):
+                    return self._plain_cpu
+                # torch's CPU kernel takes one dtype for weights and moments;
+                # bf16 weights keep fp32 moments, and the native kernels' level
+                # 0 (blocks of one entry: A = G, no details) is AdamW.
+                if self.compile in (None, True, "native"):
+                    return self._ready("native", w, G, moment_dtype, 0, last=False)
+                return None
             if self.compile not in (None, True, "triton"):
                 return None
             return self._ready("triton", w, G, moment_dtype, 0, last=False)
