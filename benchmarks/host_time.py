@@ -78,6 +78,7 @@ def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warm
                counts: dict[str, int], per_param: bool = False) -> list[float]:
     """Host seconds of each timed step: ``step()``, or with ``per_param``
     one ``step_param`` per parameter (as stepping inside backward does)."""
+    owners = [(p, g) for g in opt.param_groups for p in g["params"]]
     times = []
     for t in range(warmup + steps):
         if t == warmup:
@@ -85,9 +86,9 @@ def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warm
         for p, g in zip(params, grads[t % len(grads)]):
             p.grad = g
         t0 = time.perf_counter()
-        if per_param:
-            for p in params:
-                opt.step_param(p)
+        if per_param:  # with its group, as step_in_backward passes it
+            for p, group in owners:
+                opt.step_param(p, group)
         else:
             opt.step()
         dt = time.perf_counter() - t0
