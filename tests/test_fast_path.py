@@ -43,7 +43,7 @@ def _problem(shape, steps, dtype, seed=0):
 @pytest.fixture
 def count_fused(monkeypatch):
     """Counts the parameter steps each fused backend ran (its phase 2 calls
-    and the items of its batched calls), to prove the fused path ran."""
+    and the parameters of its batched calls), to prove the fused path ran."""
     calls: dict[str, int] = {}
 
     def counting(method, count):
@@ -55,6 +55,9 @@ def count_fused(monkeypatch):
 
     monkeypatch.setattr(_fused.NativeBackend, "phase2", counting(_fused.NativeBackend.phase2, lambda args: 1))
     monkeypatch.setattr(_fused.NativeBackend, "step_many", counting(_fused.NativeBackend.step_many, lambda args: len(args[0])))
+    # the optimizer's step plan hands its batches to step_batches
+    monkeypatch.setattr(_fused.NativeBackend, "step_batches", counting(
+        _fused.NativeBackend.step_batches, lambda args: sum(len(b.steps) for b in args[0])))
     return calls
 
 

@@ -471,6 +471,18 @@ class _NativeCarry:
         self.buffer, self.d, self.t, self.hyper, self.m = buffer, d, t, hyper, m
 
 
+class _NativeTasks:
+    """One weight dtype's whole steps for ``gwt_adamw_haar_steps_*``: its
+    ParamSteps (largest first) and their task array, whether the kernel
+    pipelines them one parameter per thread (see ``_fused_cpu.c``), and the
+    workspace entries of one slot."""
+
+    __slots__ = ("dtype", "steps", "tasks", "pipelined", "stride")
+
+    def __init__(self, dtype: torch.dtype, steps: list, tasks: ctypes.Array, pipelined: bool, stride: int) -> None:
+        self.dtype, self.steps, self.tasks, self.pipelined, self.stride = dtype, steps, tasks, pipelined, stride
+
+
 class NativeBackend:
     """The C kernels of ``_fused_cpu.c`` (CPU, float32/float64).
 
@@ -491,11 +503,14 @@ class NativeBackend:
         self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         # bf16 rows are converted a segment of whole blocks at a time, which bounds the block.
         self._bf16_max_level = lib.gwt_bf16_max_level()
-        # The task array of the last batch, reused while the same tensors come
-        # back in the same order (every step of a training loop): filling one
-        # ctypes struct per parameter per step costs more than the kernel on
-        # small weights.
-        self._plans: dict[torch.dtype, tuple] = {}
+        # The task arrays of the optimizer's step plan (step_batches), kept
+        # while it hands over the same StepBatch list: filling one ctypes
+        # struct per parameter per step costs more than the kernel on small
+        # weights.
+        self._batches: list | None = None
+        self._planned: list[_NativeTasks] = []
+        self._batch_of: dict[int, Any] = {}
+        self._planned_for: tuple = ()
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
@@ -541,17 +556,62 @@ class NativeBackend:
         ``decay`` = 1 - lr * weight_decay. The kernels read and write the
         limiter's norm ``state["limiter_norm"]`` in place.
         """
-        skipped = []
-        by_dtype: dict[torch.dtype, list] = {}
-        for item in steps:
-            by_dtype.setdefault(item[0].param.dtype, []).append(item)
         threads = torch.get_num_threads()
-        for dtype, items in by_dtype.items():
-            tasks, order, pipelined, stride = self._plan(dtype, items, threads, limiter_eps)
+        scalars = {id(ps): (scale, decay) for ps, scale, decay in steps}
+        planned = self._tasks([ps for ps, _, _ in steps], threads, limiter_eps)
+        return self._run(planned, lambda ps: scalars[id(ps)], threads)
+
+    def step_batches(self, batches: list, limiter_eps: float) -> list:
+        """:meth:`step_many` for the optimizer's step plan (a list of
+        :class:`~gwt_optim.optim._base.StepBatch`): the task arrays are made
+        once per list, and afterwards only the gradients' addresses and the
+        per-step scalars are written into them."""
+        threads = torch.get_num_threads()
+        if batches is not self._batches or self._planned_for != (threads, limiter_eps):
+            self._batch_of = {id(ps): b for b in batches for ps in b.steps}
+            self._planned = self._tasks([ps for b in batches for ps in b.steps], threads, limiter_eps)
+            self._batches, self._planned_for = batches, (threads, limiter_eps)
+        batch_of = self._batch_of
+        return self._run(self._planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
+
+    def _tasks(self, steps: list, threads: int, limiter_eps: float) -> list[_NativeTasks]:
+        """The task arrays of these ParamSteps, one per weight dtype, largest
+        parameter first (so that the dynamic schedule ends evenly), with
+        everything but what :meth:`_run` writes on every step."""
+        by_dtype: dict[torch.dtype, list] = {}
+        for ps in steps:
+            by_dtype.setdefault(ps.param.dtype, []).append(ps)
+        planned = []
+        for dtype, group in by_dtype.items():
+            group.sort(key=lambda ps: -ps.grad.numel())
+            tasks = (_Task * len(group))()
+            ws_numel = 0
+            for task, ps in zip(tasks, group):
+                G, M = ps.grad, ps.state["exp_avg"]
+                n = G.shape[-1]
+                task.w, task.m, task.v = ps.param.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
+                task.rows, task.n = (G.numel() // n if n else 0), n
+                task.level = ps.level
+                task.limiter_eps = limiter_eps
+                task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
+                ws_numel = max(ws_numel, 2 * M.numel())
+            # One parameter per thread when there are enough to share out and
+            # none would keep one thread busy after the others are done;
+            # otherwise one after the other, each split by rows.
+            sizes = [ps.grad.numel() for ps in group]
+            pipelined = len(group) >= 2 * threads and sizes[0] * threads <= sum(sizes)
+            planned.append(_NativeTasks(dtype, group, tasks, pipelined, ws_numel))
+        return planned
+
+    def _run(self, planned: list[_NativeTasks], scalars: Callable[[Any], tuple[float, float]], threads: int) -> list:
+        """Write this step's gradients and scalars into the task arrays, run
+        them, and return the ParamSteps skipped for a non-finite gradient."""
+        skipped = []
+        for entry in planned:
             hypers: dict[tuple, _Hyper] = {}
-            for i, task in zip(order, tasks):
-                ps, scale, decay = items[i]
+            for task, ps in zip(entry.tasks, entry.steps):
                 group = ps.group
+                scale, decay = scalars(ps)
                 # Steps, lr and decay are almost always shared: one struct each
                 # (a group's 1-D weights step at level 0, its matrices at its level).
                 key = (id(group), ps.level, ps.step, scale, decay)
@@ -568,65 +628,18 @@ class NativeBackend:
                         clip=_clip(group),
                     )
                 task.hyper = hyper
+                task.g = ps.grad.data_ptr()  # gradients are new tensors on most steps
+                task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
                 task.first = ps.step == 1
-            needed = stride * (2 * threads if pipelined else 1)
-            state_dtype = _STATE_DTYPE[dtype]
+            needed = entry.stride * (2 * threads if entry.pipelined else 1)
+            state_dtype = _STATE_DTYPE[entry.dtype]
             buf = self._batch_workspace.get(state_dtype)
             if buf is None or buf.numel() < needed:
                 buf = self._batch_workspace[state_dtype] = torch.empty(needed, dtype=state_dtype)
-            self._steps[dtype](tasks, len(items), buf.data_ptr(), stride, threads, int(pipelined), _MIN_ENTRIES_PER_THREAD)
-            skipped += [items[i][0] for i, task in zip(order, tasks) if task.skipped]
+            self._steps[entry.dtype](entry.tasks, len(entry.steps), buf.data_ptr(), entry.stride, threads,
+                                     int(entry.pipelined), _MIN_ENTRIES_PER_THREAD)
+            skipped += [ps for task, ps in zip(entry.tasks, entry.steps) if task.skipped]
         return skipped
-
-    def _plan(self, dtype: torch.dtype, items: list, threads: int, limiter_eps: float) -> tuple:
-        """The task array of these parameters (largest first, so that the
-        dynamic schedule ends evenly), the item index of each task, whether to
-        pipeline them one parameter per thread (see ``gwt_adamw_haar_steps_*``
-        in ``_fused_cpu.c``), and the workspace size of one slot.
-
-        Everything in it but the per-step hyperparameters and the gradients'
-        addresses depends only on the weights' and states' addresses, the
-        shapes and the limiter's settings, so it is rebuilt only when one of
-        those changes (a loaded state, another group setting).
-        """
-        key = tuple(
-            (
-                ps.param.data_ptr(), ps.grad.shape, ps.level,
-                ps.state["exp_avg"].data_ptr(), ps.state["exp_avg_sq"].data_ptr(),
-                ps.state["limiter_norm"].data_ptr() if ps.limited else 0,
-                ps.group["norm_growth_limit"] if ps.limited else 0.0,
-            )
-            for ps, _, _ in items
-        ) + (threads, limiter_eps)
-        plan = self._plans.get(dtype)
-        if plan is not None and plan[0] == key:
-            # Gradients are new tensors on most steps (zero_grad frees them).
-            tasks, order = plan[1][0], plan[1][1]
-            for task, i in zip(tasks, order):
-                task.g = items[i][0].grad.data_ptr()
-            return plan[1]
-        order = sorted(range(len(items)), key=lambda i: -items[i][0].grad.numel())
-        tasks = (_Task * len(items))()
-        ws_numel = 0
-        for task, i in zip(tasks, order):
-            ps = items[i][0]
-            G, M = ps.grad, ps.state["exp_avg"]
-            n = G.shape[-1]
-            task.w, task.g, task.m, task.v = ps.param.data_ptr(), G.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
-            task.rows, task.n = (G.numel() // n if n else 0), n
-            task.level = ps.level
-            task.gamma = ps.group["norm_growth_limit"] if ps.limited else 0.0
-            task.limiter_eps = limiter_eps
-            task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
-            ws_numel = max(ws_numel, 2 * M.numel())
-        # One parameter per thread when there are enough to share out and
-        # none would keep one thread busy after the others are done;
-        # otherwise one after the other, each split by rows.
-        sizes = [items[i][0].grad.numel() for i in order]
-        pipelined = len(items) >= 2 * threads and sizes[0] * threads <= sum(sizes)
-        result = (tasks, order, pipelined, ws_numel)
-        self._plans[dtype] = (key, result)
-        return result
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
