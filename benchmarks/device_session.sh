@@ -86,30 +86,25 @@ part_wait() {
   SWEEP=
 }
 
-# B. Triton correctness (it does not need a quiet GPU: it runs beside A)
-part_B() {
+# One section of gpu_check.sh on CUDA: label, section, time limit, report file
+# in $OUT, then VAR=value settings for gpu_check.sh alone.
+gpu_check_part() {
   [[ "$DEVICE" == cuda ]] || return 0
-  stamp "B. triton correctness"
-  GPU_CHECK_SECTIONS=1 timeout 200 bash benchmarks/gpu_check.sh > "$OUT/check_triton.md" 2>&1
-  stamp "B. done (exit $?)"
+  local label=$1 section=$2 limit=$3 report=$4
+  shift 4
+  stamp "$label"
+  env "$@" GPU_CHECK_SECTIONS="$section" timeout "$limit" bash benchmarks/gpu_check.sh > "$OUT/$report" 2>&1
+  stamp "${label%%.*}. done (exit $?)"
 }
+
+# B. Triton correctness (it does not need a quiet GPU: it runs beside A)
+part_B() { gpu_check_part "B. triton correctness" 1 200 check_triton.md; }
 
 # C. step time on a quiet GPU: GPU time, host time and GB/s against fused AdamW
-part_C() {
-  [[ "$DEVICE" == cuda ]] || return 0
-  stamp "C. step time"
-  GPU_CHECK_LEVELS=0 GPU_CHECK_SECTIONS=2 OUT="$WORK/step" timeout 200 bash benchmarks/gpu_check.sh \
-    > "$OUT/check_step.md" 2>&1
-  stamp "C. done (exit $?)"
-}
+part_C() { gpu_check_part "C. step time" 2 200 check_step.md GPU_CHECK_LEVELS=0 OUT="$WORK/step"; }
 
 # E. the sweep of the Triton kernels' chunk size and num_warps (at most about 3 minutes)
-part_E() {
-  [[ "$DEVICE" == cuda ]] || return 0
-  stamp "E. chunk and num_warps sweep"
-  GPU_CHECK_SECTIONS=4 timeout 230 bash benchmarks/gpu_check.sh > "$OUT/check_sweep.md" 2>&1
-  stamp "E. done (exit $?)"
-}
+part_E() { gpu_check_part "E. chunk and num_warps sweep" 4 230 check_sweep.md; }
 
 # D. finetune lm tokens/s on the SmolLM2-135M shape
 part_D() {

@@ -163,11 +163,16 @@ def _tile(ptrs, geom, chunk_tensor, skip, pid, B: tl.constexpr, TB: tl.constexpr
 
 
 @triton.jit
-def _moments(m, v, A, w1, beta2, w2):
+def _new_moments(ptrs, t, q, qmask, A, w1, beta2, w2, M_KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """This chunk's moment pointers and its new M and V (not stored)."""
+    m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND, ALIGNED) + q
+    v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND, ALIGNED) + q
+    m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
+    v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
     # torch.lerp's two-sided formula, as the eager path's lerp_ computes it.
     m = tl.where(w1 < 0.5, m + w1 * (A - m), A - (A - m) * (1.0 - w1))
     v = v * beta2 + w2 * A * A
-    return m, v
+    return m_ptr, v_ptr, m, v
 
 
 @triton.jit
@@ -183,11 +188,7 @@ def _phase1_kernel(
     tl.store(flags + pid, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
     if LIMITED:
         A = tl.sum(g, axis=1) * h
-        m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND, ALIGNED) + q
-        v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND, ALIGNED) + q
-        m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
-        v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
-        m, v = _moments(m, v, A, w1, beta2, w2)
+        m_ptr, v_ptr, m, v = _new_moments(ptrs, t, q, qmask, A, w1, beta2, w2, M_KIND, ALIGNED)
         den = tl.sqrt_rn(v) + eps2
         u = tl.where(qmask & (den > 0), tl.div_rn(m, tl.where(den > 0, den, 1.0)), 0.0)
         tl.store(partial + pid, tl.sum(u * u, axis=0))
@@ -242,11 +243,7 @@ def _phase2_kernel(
     # A skipped parameter (non-finite gradient) keeps W, M and V.
     t, q, qmask, emask, off, g = _tile(ptrs, geom, chunk_tensor, skip, pid, B, TB, G_KIND, True, ALIGNED)
     A = tl.sum(g, axis=1) * h
-    m_ptr = _typed(tl.load(ptrs + t * _COLS + _M), M_KIND, ALIGNED) + q
-    v_ptr = _typed(tl.load(ptrs + t * _COLS + _V), M_KIND, ALIGNED) + q
-    m = _to_f32(tl.load(m_ptr, mask=qmask, other=0), M_KIND)
-    v = _to_f32(tl.load(v_ptr, mask=qmask, other=0), M_KIND)
-    m, v = _moments(m, v, A, w1, beta2, w2)
+    m_ptr, v_ptr, m, v = _new_moments(ptrs, t, q, qmask, A, w1, beta2, w2, M_KIND, ALIGNED)
     tl.store(m_ptr, _from_f32(m, M_KIND), mask=qmask)
     tl.store(v_ptr, _from_f32(v, M_KIND), mask=qmask)
     den = tl.sqrt_rn(v) + eps2
