@@ -161,9 +161,9 @@ def test_half_gradients_reach_the_kernels_as_they_are(mocked, monkeypatch, dtype
     seen = []
     step_batches = _triton.TritonBackend.step_batches
 
-    def spy(self, batches, limiter_eps):
+    def spy(self, batches, limiter_eps, **kw):
         seen.extend((ps.grad, ps.full_param.grad) for b in batches for ps in b.steps)
-        return step_batches(self, batches, limiter_eps)
+        return step_batches(self, batches, limiter_eps, **kw)
 
     monkeypatch.setattr(_triton.TritonBackend, "step_batches", spy)
     params = _params(dtype)
@@ -251,3 +251,136 @@ def test_the_plan_changes_no_bit(path):
         for i in sb["state"]:
             for key, v in sb["state"][i].items():
                 assert torch.equal(sa["state"][i][key], v), (i, key)
+
+
+# ------------------------------------------------- step_param's plans --- #
+
+
+def _step_each(opt, params, grads):
+    """What step_in_backward does: one step_param per parameter, with its group."""
+    for p, g in zip(params, grads):
+        p.grad = g
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                opt.step_param(p, group)
+                p.grad = None
+
+
+def test_step_param_holds_a_plan_per_parameter(mocked):
+    params = _params()
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    _step_each(opt, params, _grads(params, 1))
+    plans = dict(opt._param_plans)
+    assert plans.keys() == {id(p) for p in params} and mocked["phase1"] == len(params)
+    _reset(mocked)
+    for t in range(4):
+        opt.param_groups[0]["lr"] = 1e-2 / (t + 2)  # a scheduler: a kernel argument, no new plan
+        _step_each(opt, params, _grads(params, t + 2))  # new gradient tensors every step
+    assert all(opt._param_plans[k] is plan for k, plan in plans.items())
+    assert mocked["phase1"] == 0
+    assert mocked["launch"] == 4 * len(params) * 3  # three launches per parameter
+    for st in opt.state.values():
+        assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 5
+    assert all(plan.ps.grad is None for plan in plans.values())  # no gradient kept alive
+
+
+def _a_step_between(opt, params):
+    for p in params:  # step() leaves the gradients in place
+        if p.grad is None:
+            p.grad = torch.randn_like(p)
+    opt.step()  # its plan makes the step counts views of its counter
+
+
+@pytest.mark.parametrize(
+    "change, new_plan",
+    [
+        (lambda opt, params: opt.load_state_dict(opt.state_dict()), True),
+        (lambda opt, params: opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, 8))]}), True),
+        (lambda opt, params: opt.param_groups[0].__setitem__("norm_growth_limit", None), True),
+        (lambda opt, params: setattr(params[2], "data", params[2].data.clone()), True),
+        (lambda opt, params: opt.state[params[2]]["exp_avg"].mul_(0.5), False),
+        (lambda opt, params: opt.state[params[2]].__setitem__("exp_avg", opt.state[params[2]]["exp_avg"].clone()),
+         True),
+        (lambda opt, params: setattr(opt.state[params[2]]["exp_avg_sq"], "data",
+                                     opt.state[params[2]]["exp_avg_sq"].data.clone()), True),
+        (lambda opt, params: opt.state[params[2]]["step"].fill_(7), True),
+        (lambda opt, params: opt.state.__setitem__(params[2], dict(opt.state[params[2]])), True),
+        (lambda opt, params: setattr(params[2], "grad", params[2].grad.t().contiguous().t()), True),
+        (lambda opt, params: opt.param_groups[0].__setitem__("weight_decay", 0.1), False),
+        (_a_step_between, True),
+    ],
+    ids=["load_state_dict", "add_param_group", "limiter-off", "moved-param", "in-place-state", "new-state-tensor",
+         "moved-state-tensor", "step-written", "state-dict-replaced", "non-contiguous-grad", "weight-decay",
+         "a-step-between"],
+)
+def test_what_makes_a_new_param_plan(mocked, change, new_plan):
+    params = _params()
+    p = params[2]
+    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    for t in range(2):
+        _step_each(opt, params, _grads(params, t))
+    plan = opt._param_plans[id(p)]
+    p.grad = _grads(params, 5)[2]
+    change(opt, params)
+    _reset(mocked)
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    opt.step_param(p, group)
+    # (a non-contiguous gradient takes the eager path: no plan at all)
+    assert (opt._param_plans.get(id(p)) is not plan) == new_plan
+    assert mocked["phase1"] == (1 if new_plan else 0)
+
+
+@pytest.mark.parametrize("path", ["fused_adamw", "native"])
+def test_step_param_plans_change_no_bit(path):
+    """step_param on each parameter, through every reason for a new plan and
+    a non-finite gradient, gives bit for bit what step() gives, and what
+    step_param gives with no plan (every call the full path)."""
+    if path == "native":
+        _native_or_skip()
+        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, compile=True)
+    else:
+        kw = dict(lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None)
+
+    def train(mode: str):
+        with pytest.MonkeyPatch.context() as mp:
+            if mode == "no plan":
+                mp.setattr(GWTOptimizer, "_plannable", staticmethod(lambda ps: False))
+            params = _params()
+            opt = GWTAdamW(params, **kw)
+            sds = []
+            for t in range(9):
+                grads = _grads(params, t)
+                if t == 3:
+                    buf = io.BytesIO()
+                    torch.save(opt.state_dict(), buf)
+                    buf.seek(0)
+                    opt.load_state_dict(torch.load(buf, weights_only=True))
+                if t == 4:
+                    grads[2] = None  # a parameter sits out a step
+                    grads[0][1, 3] = float("nan")  # and one is skipped
+                if t == 5:
+                    params[0].data = params[0].data.clone()
+                if t == 6:
+                    opt.param_groups[0]["lr"] = 3e-3
+                if mode == "step":
+                    for p, g in zip(params, grads):
+                        p.grad = g
+                    opt.step()
+                else:
+                    _step_each(opt, params, grads)
+                sds.append(opt.state_dict())
+            assert bool(opt._param_plans) == (mode == "plans")
+            assert opt.nonfinite_skips == 1
+            return params, sds
+
+    want, want_sds = train("step")
+    for mode in ("plans", "no plan"):
+        got, got_sds = train(mode)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), mode
+        for sa, sb in zip(got_sds, want_sds):
+            assert sa["state"].keys() == sb["state"].keys()
+            for i in sb["state"]:
+                for key, v in sb["state"][i].items():
+                    assert torch.equal(sa["state"][i][key], v), (mode, i, key)

@@ -169,6 +169,28 @@ class _StepPlan:
     batches: list[tuple[Any, list[StepBatch]]]  # per backend
 
 
+@dataclass
+class _ParamPlan:
+    """:meth:`GWTOptimizer.step_param`'s routing of one batched parameter,
+    repeated while what it depends on holds (:meth:`GWTOptimizer._param_plan_grad`):
+    the step plan's checks, for one parameter."""
+
+    param: Tensor
+    group: dict
+    route: tuple  # _route_key of the group
+    state: dict
+    values: list[Tensor]  # the state's tensors, in order
+    addresses: list[int]
+    address: int  # the parameter's
+    shape: torch.Size
+    grad_spec: tuple  # (dtype, contiguous) of the gradient
+    count: Tensor  # state["step"]
+    version: int  # its _version after the last step
+    ps: ParamStep
+    backend: Any
+    batches: list[StepBatch]  # one StepBatch of ps, for the backend's step_batches
+
+
 _data_ptr = Tensor.data_ptr  # for map(): no Python frame per tensor
 
 
@@ -228,8 +250,10 @@ class GWTOptimizer(Optimizer):
         self.__dict__.setdefault("_warned_nonfinite", False)
         # Expected state shapes per (group, approximation shape, ...): see _state_problem.
         self.__dict__.setdefault("_state_specs", {})
-        # The routing of the last step, reused while it holds (see step()).
+        # The routing of the last step, reused while it holds (see step()),
+        # and step_param's of each parameter, by id (see step_param()).
         self.__dict__.setdefault("_plan", None)
+        self.__dict__.setdefault("_param_plans", {})
 
     @property
     def nonfinite_skips(self) -> int:
@@ -254,6 +278,7 @@ class GWTOptimizer(Optimizer):
                     self._validate_param(p, merged, f"parameter {i} of group {index} (shape {tuple(p.shape)})")
         self._state_specs.clear()
         self._plan = None
+        self._param_plans = {}
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -373,9 +398,10 @@ class GWTOptimizer(Optimizer):
         whole step of many parameters at once (with the limiter and the
         non-finite check), for every parameter that needs no collective;
         ``items`` are ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
-        It may also provide ``step_batches(batches, limiter_eps)``, the same
-        for a list of :class:`StepBatch` that stays the same from step to step
-        (the optimizer's step plan); without it, the plan calls ``step_many``.
+        It may also provide ``step_batches(batches, limiter_eps, *, key)``, the
+        same for a list of :class:`StepBatch` that stays the same from step to
+        step (the optimizer's step plan, or one parameter's for
+        :meth:`step_param`); without it, the plans call ``step_many``.
 
         ``G`` is first the gradient in its own dtype: a backend whose
         ``supports`` accepts that dtype reads it as it is (no copy); otherwise
@@ -424,6 +450,7 @@ class GWTOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._state_specs.clear()
         self._plan = None
+        self._param_plans = {}
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, saved in state_dict["state"].get(pid, {}).items():
@@ -592,15 +619,84 @@ class GWTOptimizer(Optimizer):
         For stepping inside backward (:func:`gwt_optim.step_in_backward`): the
         limiter and every other statistic are per parameter, so stepping the
         parameters one at a time equals one :meth:`step` over all of them.
+
+        A parameter that batched fused kernels step keeps a plan of its own,
+        as :meth:`step` does for all of them: its routing and checks are
+        reused, and the backend keeps its tables, while the parameter, its
+        group's routing options, its state tensors and its gradient's dtype
+        and layout are as they were.
         """
         if group is None:
             group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
             if group is None:
                 raise ValueError(f"{self._family}: step_param got a parameter this optimizer does not hold")
+        plan = self._param_plans.get(id(p))
+        if plan is not None and plan.param is p and plan.group is group:
+            grad = self._param_plan_grad(plan)
+            if grad is not None:
+                self._run_param_plan(plan, grad)
+                return
+        self._param_plans.pop(id(p), None)
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
         self._step_params([(p, group)], batched, deferred)
+        if len(batched) == 1 and self._plannable(batched[0]) and hasattr(batched[0].fused, "step_batches"):
+            plan = self._make_param_plan(batched.pop())
+            self._param_plans[id(p)] = plan
+            self._run_param_plan(plan, None)
         self._finish(batched, deferred)
+
+    def _make_param_plan(self, ps: ParamStep) -> _ParamPlan:
+        """A plan from this step's ParamStep of one batched parameter (made
+        by :meth:`_phase1` with every check)."""
+        values = list(ps.state.values())
+        p = ps.full_param
+        return _ParamPlan(
+            param=p, group=ps.group, route=self._route_key(ps.group), state=ps.state, values=values,
+            addresses=list(map(_data_ptr, values)), address=p.data_ptr(), shape=p.shape,
+            grad_spec=(ps.grad.dtype, ps.grad.is_contiguous()), count=ps.state["step"],
+            version=ps.state["step"]._version, ps=ps, backend=ps.fused,
+            batches=[StepBatch([ps], ps.group, ps.step, ps.transformed and ps.group["scale"] != 1)],
+        )
+
+    def _param_plan_grad(self, plan: _ParamPlan) -> Tensor | None:
+        """The parameter's gradient if this step_param may repeat its plan
+        (see :meth:`_plan_grads`, which checks the same for every batched
+        parameter at once), else None."""
+        p, state = plan.param, plan.state
+        grad = p.grad
+        if (
+            grad is None
+            or self.state.get(p) is not state
+            or plan.count._version != plan.version
+            or (grad.dtype, grad.is_contiguous()) != plan.grad_spec
+            or p.data_ptr() != plan.address
+            or p.shape != plan.shape
+            or self._route_key(plan.group) != plan.route
+        ):
+            return None
+        values = list(state.values())
+        if (len(values) != len(plan.values) or not all(map(operator.is_, values, plan.values))
+                or list(map(_data_ptr, values)) != plan.addresses):
+            return None
+        return grad
+
+    def _run_param_plan(self, plan: _ParamPlan, grad: Tensor | None) -> None:
+        """One parameter's whole step on its backend. With ``grad`` (a
+        repeated plan) its step count advances here; otherwise :meth:`_phase1`
+        has advanced it and left the gradient."""
+        ps = plan.ps
+        batch = plan.batches[0]
+        if grad is not None:
+            ps.step = batch.step = batch.step + 1
+            plan.count.fill_(batch.step)
+            ps.grad = grad
+        plan.version = plan.count._version
+        try:
+            self._batch_scalars(batch)
+            self._count_skipped(plan.backend.step_batches(plan.batches, _LIMITER_EPS, key=id(plan.param)))
+        finally:
+            ps.grad = None  # the plan outlives the step; the gradient must not
 
     def _step_params(self, params: list[tuple[Tensor, dict]], batched: list[ParamStep],
                      deferred: list[ParamStep]) -> None:
@@ -651,10 +747,7 @@ class GWTOptimizer(Optimizer):
         count that is not a CPU float32 scalar."""
         fast, left = [], []
         for ps in batched:
-            st = ps.state.get("step")
-            plain = (ps.grad is ps.full_param.grad and isinstance(st, Tensor) and st.ndim == 0
-                     and all(isinstance(v, Tensor) for v in ps.state.values()))
-            (fast if plain and st.dtype == torch.float32 and st.device.type == "cpu" else left).append(ps)
+            (fast if self._plannable(ps) else left).append(ps)
         if not fast:
             return None, left
         planned = {id(ps.full_param) for ps in fast}
@@ -693,6 +786,25 @@ class GWTOptimizer(Optimizer):
             batches=list(by_backend.values()),
         )
         return plan, left
+
+    @staticmethod
+    def _plannable(ps: ParamStep) -> bool:
+        """Whether a plan may repeat this batched ParamStep: not for a
+        gradient cast to the compute dtype (a copy on every step), nor for a
+        step count that is not a CPU float32 scalar."""
+        st = ps.state.get("step")
+        return (ps.grad is ps.full_param.grad and isinstance(st, Tensor) and st.ndim == 0
+                and st.dtype == torch.float32 and st.device.type == "cpu"
+                and all(isinstance(v, Tensor) for v in ps.state.values()))
+
+    def _batch_scalars(self, batch: StepBatch) -> None:
+        """This step's ``scale`` and ``decay`` of a StepBatch, from its group."""
+        group = batch.group
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, Tensor) else lr
+        alpha = group["scale"] if batch.scaled else 1.0
+        batch.scale = alpha * lr * self._step_factor(batch.steps[0])
+        batch.decay = 1 - lr * group["weight_decay"]
 
     def _plan_grads(self, plan: _StepPlan) -> list[Tensor] | None:
         """The batched parameters' gradients if this step may repeat the
@@ -749,15 +861,10 @@ class GWTOptimizer(Optimizer):
         try:
             for backend, batches in plan.batches:
                 for batch in batches:
-                    group = batch.group
-                    lr = group["lr"]
-                    lr = lr.item() if isinstance(lr, Tensor) else lr
-                    alpha = group["scale"] if batch.scaled else 1.0
-                    batch.scale = alpha * lr * self._step_factor(batch.steps[0])
-                    batch.decay = 1 - lr * group["weight_decay"]
+                    self._batch_scalars(batch)
                 run = getattr(backend, "step_batches", None)
                 if run is not None:
-                    self._count_skipped(run(batches, _LIMITER_EPS))
+                    self._count_skipped(run(batches, _LIMITER_EPS, key="step"))
                 else:
                     items = [(ps, b.scale, b.decay) for b in batches for ps in b.steps]
                     self._count_skipped(backend.step_many(items, _LIMITER_EPS))

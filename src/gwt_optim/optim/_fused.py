@@ -73,7 +73,7 @@ import tempfile
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -103,11 +103,15 @@ class FusedBackend(Protocol):
     returns one for a parameter it takes. The optimizer has checked the state
     with :func:`check_state` before calling any method with it.
 
-    A batched backend may also provide ``step_batches(batches, limiter_eps)``:
-    ``step_many`` for the optimizer's step plan, a list of
+    A batched backend may also provide ``step_batches(batches, limiter_eps,
+    *, key)``: ``step_many`` for one of the optimizer's plans, a list of
     :class:`~gwt_optim.optim._base.StepBatch` that stays the same from step to
-    step (see there for what the optimizer has checked); without it the plan
-    calls ``step_many`` with the same ParamSteps in the same order every step.
+    step (see there for what the optimizer has checked). ``key`` names the
+    plan: ``"step"`` for :meth:`~gwt_optim.optim._base.GWTOptimizer.step`'s,
+    a parameter's id for ``step_param``'s; a backend may cache what it derives
+    from a list until another list comes under the same key. Without it, the
+    step plan calls ``step_many`` with the same ParamSteps in the same order
+    every step, and ``step_param`` calls it afresh.
     """
 
     name: str
@@ -507,10 +511,10 @@ class NativeBackend:
         # while it hands over the same StepBatch list: filling one ctypes
         # struct per parameter per step costs more than the kernel on small
         # weights.
-        self._batches: list | None = None
-        self._planned: list[_NativeTasks] = []
-        self._batch_of: dict[int, Any] = {}
-        self._planned_for: tuple = ()
+        # Per plan key (see step_batches): the list, the threads and limiter
+        # eps the arrays were made for, the StepBatch of each ParamStep, and
+        # the task arrays.
+        self._plans: dict[Hashable, tuple[list, tuple, dict[int, Any], list[_NativeTasks]]] = {}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
@@ -561,18 +565,20 @@ class NativeBackend:
         planned = self._tasks([ps for ps, _, _ in steps], threads, limiter_eps)
         return self._run(planned, lambda ps: scalars[id(ps)], threads)
 
-    def step_batches(self, batches: list, limiter_eps: float) -> list:
-        """:meth:`step_many` for the optimizer's step plan (a list of
-        :class:`~gwt_optim.optim._base.StepBatch`): the task arrays are made
+    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
+        """:meth:`step_many` for one of the optimizer's plans (a list of
+        :class:`~gwt_optim.optim._base.StepBatch`; ``key`` names the plan, and
+        a new list under a key replaces the old one): the task arrays are made
         once per list, and afterwards only the gradients' addresses and the
         per-step scalars are written into them."""
         threads = torch.get_num_threads()
-        if batches is not self._batches or self._planned_for != (threads, limiter_eps):
-            self._batch_of = {id(ps): b for b in batches for ps in b.steps}
-            self._planned = self._tasks([ps for b in batches for ps in b.steps], threads, limiter_eps)
-            self._batches, self._planned_for = batches, (threads, limiter_eps)
-        batch_of = self._batch_of
-        return self._run(self._planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
+        cached = self._plans.get(key)
+        if cached is None or cached[0] is not batches or cached[1] != (threads, limiter_eps):
+            batch_of = {id(ps): b for b in batches for ps in b.steps}
+            planned = self._tasks([ps for b in batches for ps in b.steps], threads, limiter_eps)
+            cached = self._plans[key] = (batches, (threads, limiter_eps), batch_of, planned)
+        _, _, batch_of, planned = cached
+        return self._run(planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
 
     def _tasks(self, steps: list, threads: int, limiter_eps: float) -> list[_NativeTasks]:
         """The task arrays of these ParamSteps, one per weight dtype, largest
@@ -714,6 +720,11 @@ class FusedAdamWBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to build: the kernel ships with torch."""
 
+    def __init__(self) -> None:
+        # Per plan key (see step_batches): the StepBatch list, and for each
+        # call its batch and the tensor lists that stay the same.
+        self._plans: dict[Hashable, tuple[list, list[tuple]]] = {}
+
     def step_many(self, steps: list, limiter_eps: float) -> list:
         """One ``torch._fused_adamw_`` call per set of hyperparameters; returns
         the ParamSteps skipped for a non-finite gradient."""
@@ -721,28 +732,76 @@ class FusedAdamWBackend:
         calls: dict[tuple, list] = {}
         for ps, _, _ in steps:
             g = ps.group
-            lr = g["lr"].item() if isinstance(g["lr"], Tensor) else g["lr"]
-            key = (ps.param.dtype, lr, *g["betas"], g["eps"], g["weight_decay"])
+            key = (ps.param.dtype, _lr(g), *g["betas"], g["eps"], g["weight_decay"])
             calls.setdefault(key, []).append(ps)
-        for (_, lr, beta1, beta2, eps, wd), items in calls.items():
-            finite = torch.stack(torch._foreach_norm([ps.grad for ps in items], math.inf)).isfinite().tolist()
-            if not all(finite):
-                skipped += [ps for ps, ok in zip(items, finite) if not ok]
-                items = [ps for ps, ok in zip(items, finite) if ok]
-                if not items:
-                    continue
-            torch._fused_adamw_(
-                [ps.param for ps in items],
-                [ps.grad for ps in items],
-                [ps.state["exp_avg"] for ps in items],
-                [ps.state["exp_avg_sq"] for ps in items],
-                [],
-                # The optimizer has advanced the step counts (CPU float32
-                # tensors, as fused AdamW keeps them on CPU) before this call.
-                [ps.state["step"] for ps in items],
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
-            )
+        for items in calls.values():
+            skipped += self._step(items, *self._lists(items), items[0].group)
         return skipped
+
+    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
+        """:meth:`step_many` for one of the optimizer's plans (a list of
+        :class:`~gwt_optim.optim._base.StepBatch`, one group each; ``key`` names
+        the plan): the tensor lists of each call are made once per list."""
+        cached = self._plans.get(key)
+        if cached is None or cached[0] is not batches:
+            calls = []
+            for batch in batches:
+                by_dtype: dict[torch.dtype, list] = {}
+                for ps in batch.steps:
+                    by_dtype.setdefault(ps.param.dtype, []).append(ps)
+                calls += [(batch, items, self._lists(items)) for items in by_dtype.values()]
+            cached = self._plans[key] = (batches, calls)
+        # Groups with the same hyperparameters on this step share a call, as in step_many.
+        calls: dict[tuple, list] = {}
+        for batch, items, lists in cached[1]:
+            g = batch.group
+            calls.setdefault((items[0].param.dtype, _lr(g), *g["betas"], g["eps"], g["weight_decay"]), []).append(
+                (batch.group, items, lists))
+        skipped = []
+        for parts in calls.values():
+            group, items, lists = parts[0]
+            if len(parts) > 1:
+                items = [ps for _, more, _ in parts for ps in more]
+                lists = tuple([x for _, _, more in parts for x in more[i]] for i in range(4))
+            skipped += self._step(items, *lists, group)
+        return skipped
+
+    @staticmethod
+    def _lists(items: list) -> tuple[list, list, list, list]:
+        return (
+            [ps.param for ps in items],
+            [ps.state["exp_avg"] for ps in items],
+            [ps.state["exp_avg_sq"] for ps in items],
+            # The optimizer has advanced the step counts (CPU float32
+            # tensors, as fused AdamW keeps them on CPU) before the call.
+            [ps.state["step"] for ps in items],
+        )
+
+    @staticmethod
+    def _step(items: list, params: list, exp_avgs: list, exp_avg_sqs: list, steps: list, group: dict) -> list:
+        """One call for these ParamSteps of one dtype and group, leaving out
+        those with a non-finite gradient; returns those."""
+        grads = [ps.grad for ps in items]
+        finite = torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().tolist()
+        skipped = []
+        if not all(finite):
+            skipped = [ps for ps, ok in zip(items, finite) if not ok]
+            if len(skipped) == len(items):
+                return skipped
+            params, grads, exp_avgs, exp_avg_sqs, steps = (
+                [x for x, ok in zip(column, finite) if ok] for column in (params, grads, exp_avgs, exp_avg_sqs, steps)
+            )
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=_lr(group), beta1=beta1, beta2=beta2,
+            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+        )
+        return skipped
+
+
+def _lr(group: dict) -> float:
+    lr = group["lr"]
+    return lr.item() if isinstance(lr, Tensor) else lr
 
 
 # --------------------------------------------------------------- choice --- #

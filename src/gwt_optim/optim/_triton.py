@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from torch import Tensor
@@ -385,8 +385,8 @@ class TritonBackend:
         self.cpu = cpu
         self._buckets: dict[tuple, _Bucket] = {}
         self._ready: set[tuple] = set()
-        self._batches: list | None = None  # the step plan's StepBatch list that _planned splits
-        self._planned: list[_Planned] = []
+        # Per plan key (see step_batches): the StepBatch list and its split into buckets.
+        self._plans: dict[Hashable, tuple[list, list[_Planned]]] = {}
 
     # ------------------------------------------------------- selection --- #
 
@@ -435,10 +435,13 @@ class TritonBackend:
 
     # ----------------------------------------------------------- steps --- #
 
-    def step_batches(self, batches: list, limiter_eps: float) -> Tensor | list:
-        """Whole steps of the optimizer's step plan: a list of
+    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> Tensor | list:
+        """Whole steps of one of the optimizer's plans: a list of
         :class:`~gwt_optim.optim._base.StepBatch`, the same objects on every
         step while the plan holds (see there for what the optimizer checks).
+        ``key`` names the plan (the optimizer's step plan, or one
+        parameter's for ``step_param``); a new list under a key replaces the
+        old one.
 
         The split into buckets and the tables are made once per list, with
         every check; afterwards only the gradients' addresses may change (the
@@ -446,14 +449,15 @@ class TritonBackend:
         table is uploaded again when they do. Returns what :meth:`step_many`
         does.
         """
-        if batches is not self._batches:
-            self._planned = [self._plan_bucket(batch, steps) for batch in batches
-                             for steps in self._split(batch.steps)]
-            self._batches = batches
-        if not self._planned:
+        cached = self._plans.get(key)
+        if cached is None or cached[0] is not batches:
+            cached = self._plans[key] = (batches, [self._plan_bucket(batch, steps) for batch in batches
+                                                   for steps in self._split(batch.steps)])
+        planned = cached[1]
+        if not planned:
             return []
         counts: dict[torch.device, Tensor] = {}
-        for entry in self._planned:
+        for entry in planned:
             bucket, batch = entry.bucket, entry.batch
             grads = [ps.grad.data_ptr() for ps in entry.steps]
             if grads != bucket.pointers[1]:
@@ -534,7 +538,7 @@ class TritonBackend:
     def invalidate(self) -> None:
         """Forget every cached table (they are also rebuilt when a pointer changes)."""
         self._buckets.clear()
-        self._batches, self._planned = None, []
+        self._plans.clear()
 
     # --------------------------------------------------------- helpers --- #
 
