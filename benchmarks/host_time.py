@@ -1,5 +1,9 @@
 """Host time of ``GWTAdamW.step()`` on the Triton backend, without a GPU.
 
+``step_param each`` is one ``step_param(p, group)`` per parameter, as
+``gwt_optim.step_in_backward`` steps; ``one optimizer per parameter`` is
+PyTorch's recipe for the same with its own optimizers, for scale.
+
 On a GPU the Triton step is host-bound when its Python work per parameter
 exceeds the kernels' time (about 1 ms for SmolLM2-135M). That Python work does
 not depend on the device, so it is measured here on CPU tensors with the
@@ -74,6 +78,19 @@ def parameters(shrink: int, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.
     return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes + norms]
 
 
+class PerParameter:
+    """One torch optimizer per parameter, each stepped alone: PyTorch's recipe
+    for an optimizer step inside backward (its "optimizer in backward" tutorial)."""
+
+    def __init__(self, params: list, make) -> None:
+        self.optimizers = [make([p]) for p in params]
+        self.param_groups = []
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+
 def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warmup: int, steps: int,
                counts: dict[str, int], per_param: bool = False) -> list[float]:
     """Host seconds of each timed step: ``step()``, or with ``per_param``
@@ -119,6 +136,9 @@ def main() -> None:
             # what gwt_optim.step_in_backward costs: one step_param per weight
             ("GWT-AdamW l=%d (triton, launches mocked), step_param each" % args.level, "new", triton),
             ("AdamW fused (CPU, computes)", "fixed", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+            # what stepping inside backward costs with torch's own optimizers
+            ("AdamW fused (CPU, computes), one optimizer per parameter", "new",
+             lambda p: PerParameter(p, lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True))),
             ("GWT-AdamW l=%d (native, computes)" % args.level, "fixed",
              lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")),
         ]

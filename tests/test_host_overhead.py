@@ -283,6 +283,8 @@ def test_step_param_holds_a_plan_per_parameter(mocked):
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 5
     assert all(plan.ps.grad is None for plan in plans.values())  # no gradient kept alive
+    # skips are counted in the backends' running counts: no new tensor per call
+    assert len(opt._nonfinite_counters) == 1 and opt.nonfinite_skips == 0
 
 
 def _a_step_between(opt, params):

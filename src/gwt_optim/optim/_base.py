@@ -245,7 +245,8 @@ class GWTOptimizer(Optimizer):
 
     def _init_bookkeeping(self) -> None:
         self.__dict__.setdefault("_nonfinite_skips", 0)
-        # Per-device skip counts that fused device kernels keep without a host sync.
+        # The running skip counts that fused device kernels keep without a host
+        # sync, by id (a backend hands the same tensors on every step).
         self.__dict__.setdefault("_nonfinite_counters", {})
         self.__dict__.setdefault("_warned_nonfinite", False)
         # Expected state shapes per (group, approximation shape, ...): see _state_problem.
@@ -886,11 +887,13 @@ class GWTOptimizer(Optimizer):
         for backend, items in by_backend.values():
             self._count_skipped(backend.step_many(items, _LIMITER_EPS))
 
-    def _count_skipped(self, skipped: Tensor | list) -> None:
-        """Record what a batched backend skipped for a non-finite gradient."""
-        if isinstance(skipped, Tensor):  # a device count: no host sync here
-            counter = self._nonfinite_counters.get(skipped.device)
-            self._nonfinite_counters[skipped.device] = skipped if counter is None else counter + skipped
+    def _count_skipped(self, skipped: tuple | list) -> None:
+        """Record what a batched backend skipped for a non-finite gradient:
+        a list of ParamSteps, or a tuple of the backend's running device
+        counts, kept by identity (no host sync, nor any tensor op, here)."""
+        if isinstance(skipped, tuple):
+            for count in skipped:
+                self._nonfinite_counters[id(count)] = count
         else:
             for ps in skipped or ():
                 self._record_nonfinite(ps.full_param)

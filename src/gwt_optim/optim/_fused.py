@@ -141,12 +141,13 @@ class FusedBackend(Protocol):
         """``w <- w * decay - scale / r * delta``, right after phase 1 or later."""
         ...
 
-    def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | Tensor:
+    def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | tuple[Tensor, ...]:
         """Whole steps (phase 1, limiter, phase 2) of ``(ParamStep, scale,
         decay)`` items; only called when :attr:`batched`. A parameter whose
         gradient is not finite keeps its weight, moments and ``limiter_norm``.
-        Returns the ParamSteps so skipped (CPU), or a 0-dim integer tensor
-        counting them on the device, so that counting needs no host sync."""
+        Returns the ParamSteps so skipped (CPU), or a tuple of the backend's
+        running counts on the devices (0-d integer tensors that its kernels add
+        the skips to), so that counting needs no host sync."""
         ...
 
 

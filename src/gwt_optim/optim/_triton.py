@@ -17,7 +17,8 @@ limiter (grid: parameters)
     atomics), computes the limiter's :math:`r` and the new :math:`s` on the
     device (``state["limiter_norm"]``, a 0-d tensor, is written in place), and
     leaves :math:`1/r` and a skip flag per parameter. Skipped parameters are
-    counted on the device (``step_many`` returns the count).
+    counted on the device, in a running count per device that the steps
+    return (no new tensor, no extra launch per step).
 phase 2 (grid: chunks)
     Recomputes :math:`A` and the new moments from :math:`G`, :math:`M`,
     :math:`V` (as the Inductor backend does: about 22 bytes per fp32
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import math
 import os
+from array import array
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -298,7 +300,7 @@ class _Bucket:
     pointers: tuple  # the address columns the pointer table holds (_addresses)
     geom: Tensor  # int64 (T, _COLS)
     chunks: Tensor  # int32 (total chunks,): the tensor of each chunk
-    table: Tensor | None  # int64 (T, _COLS) on the host: the pointer table
+    table: array | None  # int64, T rows of _COLS, on the host: the pointer table
     ptrs: Tensor | None  # the same on the device
     partial: Tensor  # fp32 (total chunks,)
     flags: Tensor  # int32 (total chunks,)
@@ -309,6 +311,7 @@ class _Bucket:
     n_tensors: int
     whole: bool  # b divides every n: no partial blocks
     aligned: bool = False  # whole, and every W, G, M, V address 16-byte aligned: the kernels' ALIGNED
+    state_aligned: bool = False  # every W, M and V address 16-byte aligned
 
 
 @dataclass
@@ -351,13 +354,12 @@ def _env_int(name: str, default: int) -> int:
 class TritonBackend:
     """GWT-AdamW's Haar step on multi-tensor Triton kernels.
 
-    ``step_batches(batches, limiter_eps)`` runs the optimizer's step plan
-    (:class:`~gwt_optim.optim._base.StepBatch` lists that stay the same from
-    step to step) and ``step_many(items, limiter_eps)`` any other set of
-    parameters, each in three launches per bucket; ``step_one(ps, scale,
-    decay, limiter_eps)`` is the same for one parameter (for stepping each
-    weight as its gradient is ready); ``phase1``/``phase2`` split the step
-    around an external limiter (FSDP2).
+    ``step_batches(batches, limiter_eps, key=...)`` runs the optimizer's
+    plans (:class:`~gwt_optim.optim._base.StepBatch` lists that stay the same
+    from step to step: all the batched weights for ``step()``, one for each
+    ``step_param``) and ``step_many(items, limiter_eps)`` any other set of
+    parameters, each in three launches per bucket; ``phase1``/``phase2`` split
+    the step around an external limiter (FSDP2).
 
     ``chunk`` (entries of W per phase program, a power of two) and
     ``num_warps`` (of the phase kernels) default to ``$GWT_TRITON_CHUNK`` and
@@ -384,6 +386,9 @@ class TritonBackend:
         self.num_warps = num_warps
         self.cpu = cpu
         self._buckets: dict[tuple, _Bucket] = {}
+        # Per device: the running count of steps skipped for a non-finite
+        # gradient, which the limiter kernel adds to (see _count).
+        self._skipped: dict[torch.device, Tensor] = {}
         self._ready: set[tuple] = set()
         # Per plan key (see step_batches): the StepBatch list and its split into buckets.
         self._plans: dict[Hashable, tuple[list, list[_Planned]]] = {}
@@ -435,7 +440,7 @@ class TritonBackend:
 
     # ----------------------------------------------------------- steps --- #
 
-    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> Tensor | list:
+    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> tuple[Tensor, ...] | list:
         """Whole steps of one of the optimizer's plans: a list of
         :class:`~gwt_optim.optim._base.StepBatch`, the same objects on every
         step while the plan holds (see there for what the optimizer checks).
@@ -456,21 +461,19 @@ class TritonBackend:
         planned = cached[1]
         if not planned:
             return []
-        counts: dict[torch.device, Tensor] = {}
+        counts = []
         for entry in planned:
             bucket, batch = entry.bucket, entry.batch
             grads = [ps.grad.data_ptr() for ps in entry.steps]
             if grads != bucket.pointers[1]:
                 self._point_grads(bucket, grads)
-            count = counts.get(bucket.device)
-            if count is None:
-                count = counts[bucket.device] = torch.zeros((), dtype=torch.int64, device=bucket.device)
+            count = self._count(bucket.device, counts)
             hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited)
             self._launch(bucket, hyper, entry.level, entry.kinds, batch.scale, batch.decay, entry.limited,
                          limiter_eps, count)
-        return self._total(counts)
+        return tuple(counts)
 
-    def step_many(self, items: list, limiter_eps: float) -> Tensor | list:
+    def step_many(self, items: list, limiter_eps: float) -> tuple[Tensor, ...] | list:
         """Whole steps (phase 1, limiter, phase 2) of many parameters.
 
         ``items`` holds ``(ps, scale, decay)``: a
@@ -478,7 +481,8 @@ class TritonBackend:
         ``scale`` = alpha * lr * bias correction and ``decay`` = 1 - lr *
         weight_decay. Parameters sharing a bucket and all step scalars run in
         one set of launches. Returns the number of parameters skipped for a
-        non-finite gradient as a 0-d int64 tensor on their device (read it
+        non-finite gradient as running counts: a tuple of 0-d int64 tensors,
+        one per device, that every step of this backend adds to (read them
         only when needed: reading synchronizes).
         """
         if not items:
@@ -492,23 +496,16 @@ class TritonBackend:
                 g["norm_growth_limit"] if ps.limited else None,
             )
             buckets.setdefault(key, []).append(item)
-        counts: dict[torch.device, Tensor] = {}
+        counts = []
         for (device, level, wdt, gdt, mdt, limited, step, scale, decay, *_), bucket_items in buckets.items():
-            count = counts.get(device)
-            if count is None:
-                count = counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+            count = self._count(device, counts)
             ps0 = bucket_items[0][0]
             tensors = [(ps.param, ps.grad, ps.state) for ps, _, _ in bucket_items]
             kinds = (wdt, gdt, mdt)
             bucket = self._bucket(tuple(id(ps.param) for ps, _, _ in bucket_items), tensors, level, limited, kinds)
             hyper = self._hyper(ps0.group, level, step, limited)
             self._launch(bucket, hyper, level, kinds, scale, decay, limited, limiter_eps, count)
-        return self._total(counts)
-
-    def step_one(self, ps, scale: float, decay: float, limiter_eps: float) -> Tensor:
-        """The whole step of one parameter on the same kernels (three launches);
-        returns 1 (skipped) or 0 as a 0-d int64 device tensor."""
-        return self.step_many([(ps, scale, decay)], limiter_eps)
+        return tuple(counts)
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         """Phase 1 and the reduction of one parameter, for a caller that runs
@@ -562,12 +559,14 @@ class TritonBackend:
         self._point(bucket, _addresses(tensors, limited))
         return _Planned(batch, steps, level, limited, kinds, bucket)
 
-    @staticmethod
-    def _total(counts: dict[torch.device, Tensor]) -> Tensor:
-        if len(counts) == 1:
-            return next(iter(counts.values()))
-        first = next(iter(counts.values()))
-        return sum((c.to(first.device, non_blocking=True) for c in counts.values()), torch.zeros_like(first))
+    def _count(self, device: torch.device, used: list[Tensor]) -> Tensor:
+        """The running skip count of ``device``, added to ``used`` once."""
+        count = self._skipped.get(device)
+        if count is None:
+            count = self._skipped[device] = torch.zeros((), dtype=torch.int64, device=device)
+        if not any(c is count for c in used):
+            used.append(count)
+        return count
 
     @staticmethod
     def _hyper(group: dict, level: int, step: int, limited: bool) -> _Hyper:
@@ -635,23 +634,30 @@ class TritonBackend:
     @staticmethod
     def _point(bucket: _Bucket, columns: tuple) -> None:
         """Upload the pointer table for these address columns."""
-        bucket.table = torch.tensor(columns, dtype=torch.int64).t().contiguous()
-        bucket.ptrs = _to_device(bucket.table.reshape(-1), bucket.device)
+        # A Python array: a new gradient column is then one slice assignment
+        # (_point_grads), where a tensor's index_put costs more than the rest
+        # of a one-parameter step's host work.
+        bucket.table = array("q", [a for row in zip(*columns) for a in row])
         bucket.pointers = columns
-        bucket.aligned = bucket.whole and not any(a & 15 for column in columns[:4] for a in column)
+        w, _, m, v, _ = columns
+        bucket.state_aligned = not any(a & 15 for column in (w, m, v) for a in column)
+        TritonBackend._upload(bucket)
 
     @staticmethod
     def _point_grads(bucket: _Bucket, grads: list[int]) -> None:
-        """Upload the pointer table with a new gradient column (half the host
-        work of :meth:`_point`; the step plan's gradients change each step
-        when backward makes new ones)."""
+        """Upload the pointer table with a new gradient column (the plans'
+        gradients change when backward makes new ones)."""
         # In place: on CUDA the upload stages a copy, and on CPU the previous
         # launch has finished.
-        bucket.table[:, 1] = torch.tensor(grads, dtype=torch.int64)
-        bucket.ptrs = _to_device(bucket.table.reshape(-1), bucket.device)
+        bucket.table[_G.value::_COLS.value] = array("q", grads)
         w, _, *state = bucket.pointers
         bucket.pointers = (w, grads, *state)
-        bucket.aligned = bucket.whole and not any(a & 15 for column in bucket.pointers[:4] for a in column)
+        TritonBackend._upload(bucket)
+
+    @staticmethod
+    def _upload(bucket: _Bucket) -> None:
+        bucket.ptrs = _to_device(torch.frombuffer(bucket.table, dtype=torch.int64), bucket.device)
+        bucket.aligned = bucket.whole and bucket.state_aligned and not any(a & 15 for a in bucket.pointers[_G.value])
 
     @staticmethod
     def _validate(tensors: list, level: int, limited: bool, device: torch.device, kinds: tuple) -> None:
