@@ -386,3 +386,27 @@ def test_step_param_plans_change_no_bit(path):
             for i in sb["state"]:
                 for key, v in sb["state"][i].items():
                     assert torch.equal(sa["state"][i][key], v), (mode, i, key)
+
+
+def test_a_cast_gradient_does_not_unmake_the_plan():
+    """A gradient the backend cannot read as it is (bf16 for an fp32 weight on
+    the native kernels) is cast on every step, so the plan leaves it out and
+    steps it apart; the plan itself holds from step to step."""
+    _native_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    a = torch.nn.Parameter(torch.randn(8, 32, generator=gen))
+    b = torch.nn.Parameter(torch.randn(6, 16, generator=gen))
+    b.grad_dtype = None  # torch then lets its gradients be bf16
+    twin_a, twin_b = (torch.nn.Parameter(p.detach().clone()) for p in (a, b))
+    opt = GWTAdamW([a, b], lr=1e-2, compile=True)
+    ref = GWTAdamW([twin_a, twin_b], lr=1e-2, compile=True)
+    plans = []
+    for t in range(4):
+        ga, gb = torch.randn(8, 32, generator=gen), torch.randn(6, 16, generator=gen).bfloat16()
+        a.grad, b.grad = ga, gb
+        twin_a.grad, twin_b.grad = ga.clone(), gb.float()  # what the optimizer casts it to
+        opt.step()
+        ref.step()
+        plans.append(opt._plan)
+    assert plans[1] is plans[2] is plans[3] and [ps.full_param for ps in plans[3].fast] == [a]
+    assert torch.equal(a, twin_a) and torch.equal(b, twin_b)

@@ -599,7 +599,9 @@ class GWTOptimizer(Optimizer):
         if grads is not None:
             if plan.rest:
                 self._step_params(plan.rest, batched, deferred)
-                if batched:  # a parameter joined the batched kernels: plan again next time
+                # A parameter joined the batched kernels: plan again next time.
+                # (One the plan cannot hold, a gradient cast on every step, stays out.)
+                if any(map(self._plannable, batched)):
                     self._plan = None
             self._run_plan(plan, grads)
         else:
