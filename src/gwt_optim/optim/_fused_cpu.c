@@ -144,63 +144,43 @@ DEFINE_SUMS_AVX2(4)
 DEFINE_SUMS_AVX2(8)
 
 /* Phase 2 for float blocks of 2 and 4 on AVX2: the per-block factors of 8
- * blocks are spread over the entries by lane permutations, with no
- * temporaries. Returns how many leading full blocks it did. */
-static inline void phase2_avx2_vec(float *w, const float *g, __m256 q8, __m256 c8,
-                                   __m256i lanes, __m256 decay) {
-    const __m256 q = _mm256_permutevar8x32_ps(q8, lanes);
-    const __m256 c = _mm256_permutevar8x32_ps(c8, lanes);
-    const __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g), q, c);
-    _mm256_storeu_ps(w, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(w), decay), x));
-}
+ * blocks are spread over the entries with no temporaries. Returns how many
+ * leading full blocks it did. A factor reaches the entries of vector j (of
+ * B) by an in-lane permutation of a 128-bit broadcast load: blocks 0-3 in
+ * both lanes for the first B/2 vectors, 4-7 for the rest. The cross-lane
+ * permutation per factor and vector this replaces bounded the loop (one per
+ * cycle, on one port): on LLaMA-60M's weights at 2 threads the clipped
+ * step took 7% less time, the unclipped 3%, bit for bit the same. */
+#define LANES(B, j)                                                                 \
+    _mm256_setr_epi32(((8 * (j) + 0) / (B)) & 3, ((8 * (j) + 1) / (B)) & 3,         \
+                      ((8 * (j) + 2) / (B)) & 3, ((8 * (j) + 3) / (B)) & 3,         \
+                      ((8 * (j) + 4) / (B)) & 3, ((8 * (j) + 5) / (B)) & 3,         \
+                      ((8 * (j) + 6) / (B)) & 3, ((8 * (j) + 7) / (B)) & 3)
+#define HALF(p, B, j) _mm256_broadcast_ps((const __m128 *)((p) + ((j) >= (B) / 2 ? 4 : 0)))
 
-static int64_t phase2_avx2_2(float *restrict w, const float *restrict g, const float *restrict d,
-                             const float *restrict t, int64_t full, float sc, float decay) {
-    const __m256 scv = _mm256_set1_ps(sc), dec = _mm256_set1_ps(decay);
-    const __m256i l0 = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    const __m256i l1 = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    int64_t k = 0;
-    for (; k + 8 <= full; k += 8) {
-        const __m256 q8 = _mm256_mul_ps(scv, _mm256_loadu_ps(d + k));
-        const __m256 c8 = _mm256_mul_ps(scv, _mm256_loadu_ps(t + k));
-        phase2_avx2_vec(w + 2 * k, g + 2 * k, q8, c8, l0, dec);
-        phase2_avx2_vec(w + 2 * k + 8, g + 2 * k + 8, q8, c8, l1, dec);
+#define DEFINE_PHASE2_AVX2(B)                                                       \
+    static int64_t phase2_avx2_##B(float *restrict w, const float *restrict g,     \
+                                   const float *restrict d, const float *restrict t, \
+                                   int64_t full, float sc, float decay) {          \
+        const __m256 scv = _mm256_set1_ps(sc), dec = _mm256_set1_ps(decay);        \
+        int64_t k = 0;                                                             \
+        for (; k + 8 <= full; k += 8)                                              \
+            for (int j = 0; j < (B); ++j) {                                        \
+                const __m256i lanes = LANES(B, j);                                 \
+                const __m256 q = _mm256_permutevar_ps(                             \
+                    _mm256_mul_ps(scv, HALF(d + k, B, j)), lanes);                 \
+                const __m256 c = _mm256_permutevar_ps(                             \
+                    _mm256_mul_ps(scv, HALF(t + k, B, j)), lanes);                 \
+                float *wj = w + (B) * k + 8 * j;                                   \
+                const __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g + (B) * k + 8 * j), q, c); \
+                _mm256_storeu_ps(wj, _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(wj), dec), x)); \
+            }                                                                      \
+        return k;                                                                  \
     }
-    return k;
-}
-
-static int64_t phase2_avx2_4(float *restrict w, const float *restrict g, const float *restrict d,
-                             const float *restrict t, int64_t full, float sc, float decay) {
-    const __m256 scv = _mm256_set1_ps(sc), dec = _mm256_set1_ps(decay);
-    const __m256i l0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256i l1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    const __m256i l2 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5);
-    const __m256i l3 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
-    int64_t k = 0;
-    for (; k + 8 <= full; k += 8) {
-        const __m256 q8 = _mm256_mul_ps(scv, _mm256_loadu_ps(d + k));
-        const __m256 c8 = _mm256_mul_ps(scv, _mm256_loadu_ps(t + k));
-        phase2_avx2_vec(w + 4 * k, g + 4 * k, q8, c8, l0, dec);
-        phase2_avx2_vec(w + 4 * k + 8, g + 4 * k + 8, q8, c8, l1, dec);
-        phase2_avx2_vec(w + 4 * k + 16, g + 4 * k + 16, q8, c8, l2, dec);
-        phase2_avx2_vec(w + 4 * k + 24, g + 4 * k + 24, q8, c8, l3, dec);
-    }
-    return k;
-}
+DEFINE_PHASE2_AVX2(2)
+DEFINE_PHASE2_AVX2(4)
 /* Clipped phase 2 for float blocks of 2 and 4 on AVX2, as phase2_avx2_*:
- * the per-block d_k, shift_k = t_k - u_k and u_k = h M_k d_k of 8 blocks are
- * computed once and spread over the entries by lane permutations. */
-static inline void phase2_clip_avx2_vec(float *w, const float *g, __m256 d8, __m256 s8, __m256 u8,
-                                        __m256i lanes, __m256 decay, __m256 sc, __m256 c) {
-    const __m256 d = _mm256_permutevar8x32_ps(d8, lanes);
-    const __m256 s = _mm256_permutevar8x32_ps(s8, lanes);
-    const __m256 u = _mm256_permutevar8x32_ps(u8, lanes);
-    const __m256 negc = _mm256_sub_ps(_mm256_setzero_ps(), c);
-    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g), d, s);
-    x = _mm256_min_ps(_mm256_max_ps(x, negc), c);
-    _mm256_storeu_ps(w, _mm256_fnmadd_ps(sc, _mm256_add_ps(u, x), _mm256_mul_ps(_mm256_loadu_ps(w), decay)));
-}
-
+ * three per-block factors, d_k, shift_k = t_k - u_k and u_k = h M_k d_k. */
 #define DEFINE_PHASE2_CLIP_AVX2(B)                                                  \
     static int64_t phase2_clip_avx2_##B(float *restrict w, const float *restrict g, \
                                         const float *restrict m, const float *restrict d, \
@@ -210,19 +190,23 @@ static inline void phase2_clip_avx2_vec(float *w, const float *g, __m256 d8, __m
         const __m256 dec = _mm256_set1_ps((float)hp->decay);                       \
         const __m256 hv = _mm256_set1_ps((float)hp->h);                            \
         const __m256 cv = _mm256_set1_ps((float)hp->clip);                         \
+        const __m256 negc = _mm256_sub_ps(_mm256_setzero_ps(), cv);                \
         int64_t k = 0;                                                             \
-        for (; k + 8 <= full; k += 8) {                                            \
-            const __m256 d8 = _mm256_loadu_ps(d + k);                              \
-            const __m256 u8 = _mm256_mul_ps(_mm256_mul_ps(hv, _mm256_loadu_ps(m + k)), d8); \
-            const __m256 s8 = _mm256_sub_ps(_mm256_loadu_ps(t + k), u8);           \
+        for (; k + 8 <= full; k += 8)                                              \
             for (int j = 0; j < (B); ++j) {                                        \
-                const __m256i lanes = _mm256_setr_epi32(                           \
-                    (8 * j + 0) / (B), (8 * j + 1) / (B), (8 * j + 2) / (B), (8 * j + 3) / (B), \
-                    (8 * j + 4) / (B), (8 * j + 5) / (B), (8 * j + 6) / (B), (8 * j + 7) / (B)); \
-                phase2_clip_avx2_vec(w + (B) * k + 8 * j, g + (B) * k + 8 * j, d8, s8, u8, \
-                                     lanes, dec, scv, cv);                         \
+                const __m256i lanes = LANES(B, j);                                 \
+                const __m256 d4 = HALF(d + k, B, j);                               \
+                const __m256 u4 = _mm256_mul_ps(_mm256_mul_ps(hv, HALF(m + k, B, j)), d4); \
+                const __m256 s4 = _mm256_sub_ps(HALF(t + k, B, j), u4);            \
+                const __m256 dd = _mm256_permutevar_ps(d4, lanes);                 \
+                const __m256 ss = _mm256_permutevar_ps(s4, lanes);                 \
+                const __m256 uu = _mm256_permutevar_ps(u4, lanes);                 \
+                float *wj = w + (B) * k + 8 * j;                                   \
+                __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(g + (B) * k + 8 * j), dd, ss); \
+                x = _mm256_min_ps(_mm256_max_ps(x, negc), cv);                     \
+                _mm256_storeu_ps(wj, _mm256_fnmadd_ps(scv, _mm256_add_ps(uu, x),   \
+                                                      _mm256_mul_ps(_mm256_loadu_ps(wj), dec))); \
             }                                                                      \
-        }                                                                          \
         return k;                                                                  \
     }
 DEFINE_PHASE2_CLIP_AVX2(2)
