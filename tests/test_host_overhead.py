@@ -201,6 +201,27 @@ def _native_or_skip():
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 
+def _eventful_grads(opt, params, t, nan=False):
+    """Step t's gradients, after what happens before it: a state round trip
+    (t = 3), a parameter sitting out and, with ``nan``, a non-finite gradient
+    (4), a moved parameter (5), a new learning rate (6)."""
+    grads = _grads(params, t)
+    if t == 3:
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        opt.load_state_dict(torch.load(buf, weights_only=True))
+    if t == 4:
+        grads[2] = None
+        if nan:
+            grads[0][1, 3] = float("nan")
+    if t == 5:
+        params[0].data = params[0].data.clone()
+    if t == 6:
+        opt.param_groups[0]["lr"] = 3e-3
+    return grads
+
+
 @pytest.mark.parametrize("path", ["fused_adamw", "native"])
 def test_the_plan_changes_no_bit(path):
     """Training through every reason for a new plan gives bit for bit what
@@ -223,18 +244,7 @@ def test_the_plan_changes_no_bit(path):
         opt = GWTAdamW(params, **kw)
         sds = []
         for t in range(9):
-            grads = _grads(params, t)
-            if t == 3:
-                buf = io.BytesIO()
-                torch.save(opt.state_dict(), buf)
-                buf.seek(0)
-                opt.load_state_dict(torch.load(buf, weights_only=True))
-            if t == 4:
-                grads[2] = None  # a parameter sits out a step
-            if t == 5:
-                params[0].data = params[0].data.clone()
-            if t == 6:
-                opt.param_groups[0]["lr"] = 3e-3
+            grads = _eventful_grads(opt, params, t)
             for p, g in zip(params, grads):
                 p.grad = g
             opt.step()
@@ -352,19 +362,7 @@ def test_step_param_plans_change_no_bit(path):
             opt = GWTAdamW(params, **kw)
             sds = []
             for t in range(9):
-                grads = _grads(params, t)
-                if t == 3:
-                    buf = io.BytesIO()
-                    torch.save(opt.state_dict(), buf)
-                    buf.seek(0)
-                    opt.load_state_dict(torch.load(buf, weights_only=True))
-                if t == 4:
-                    grads[2] = None  # a parameter sits out a step
-                    grads[0][1, 3] = float("nan")  # and one is skipped
-                if t == 5:
-                    params[0].data = params[0].data.clone()
-                if t == 6:
-                    opt.param_groups[0]["lr"] = 3e-3
+                grads = _eventful_grads(opt, params, t, nan=True)
                 if mode == "step":
                     for p, g in zip(params, grads):
                         p.grad = g

@@ -288,6 +288,35 @@ def test_state_round_trip_mid_training_is_bitwise(tt):
         assert torch.equal(a.detach(), b)
 
 
+def _train_through_changes(W0, grads, step, limiter_off_at=None):
+    """Train with a state round trip before step 2, a moved parameter and a
+    gradient that sits out step 3 and (``limiter_off_at``) a routing option
+    changed; ``step(opt, params)`` takes each step."""
+    params = [torch.nn.Parameter(w.clone()) for w in W0]
+    opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile="triton")
+    for t, gs in enumerate(grads):
+        gs = [g.clone() for g in gs]
+        if t == 2:
+            opt.load_state_dict(opt.state_dict())
+        if t == 3:
+            params[0].data = params[0].data.clone()
+            gs[1] = None
+        if t == limiter_off_at:
+            opt.param_groups[0]["norm_growth_limit"] = None
+        for p, g in zip(params, gs):
+            p.grad = g
+        step(opt, params)
+    return params, opt
+
+
+def _assert_same(got, opt, want, ref):
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt.state.values(), ref.state.values()):
+        for key in sb:
+            assert torch.equal(sa[key], sb[key]), key
+
+
 @needs_triton
 def test_the_step_plan_changes_no_bit(tt):
     """Through every reason for a new step plan (a state round trip, a moved
@@ -296,80 +325,36 @@ def test_the_step_plan_changes_no_bit(tt):
     from gwt_optim.optim._base import GWTOptimizer
 
     W0, grads = _problem(shapes=SHAPES[1:], steps=6, seed=19)
+    got, opt = _train_through_changes(W0, grads, lambda opt, params: opt.step(), limiter_off_at=4)
+    assert opt._plan is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
+        want, ref = _train_through_changes(W0, grads, lambda opt, params: opt.step(), limiter_off_at=4)
+    assert ref._plan is None
+    _assert_same(got, opt, want, ref)
 
-    def run(plan: bool):
-        with pytest.MonkeyPatch.context() as mp:
-            if not plan:
-                mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
-            return train(plan)
 
-    def train(plan: bool):
-        params = [torch.nn.Parameter(w.clone()) for w in W0]
-        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile="triton")
-        for t, gs in enumerate(grads):
-            gs = [g.clone() for g in gs]
-            if t == 2:
-                opt.load_state_dict(opt.state_dict())
-            if t == 3:
-                params[0].data = params[0].data.clone()
-                gs[1] = None
-            if t == 4:
-                opt.param_groups[0]["norm_growth_limit"] = None
-            for p, g in zip(params, gs):
-                p.grad = g
-            opt.step()
-        assert (opt._plan is not None) == plan
-        return params, opt
-
-    got, opt = run(plan=True)
-    want, ref = run(plan=False)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    for sa, sb in zip(opt.state.values(), ref.state.values()):
-        for key in sb:
-            assert torch.equal(sa[key], sb[key]), key
+def _step_each(opt, params):
+    """As step_in_backward steps: step_param on each parameter with a gradient."""
+    for p in params:
+        if p.grad is not None:
+            opt.step_param(p, opt.param_groups[0])
+            p.grad = None
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_param_plans_change_no_bit(tt, dtype):
-    """step_param on each parameter (as step_in_backward steps), through a
-    state round trip, a moved parameter, a gradient that sits out a step and
-    a non-finite one, gives bit for bit what step() gives: the same kernels
-    on one-parameter buckets."""
+    """step_param on each parameter, through the same changes and a
+    non-finite gradient, gives bit for bit what step() gives: the same
+    kernels on one-parameter buckets."""
     W0, grads = _problem(shapes=SHAPES[1:], steps=6, seed=23, dtype=dtype)
     grads[4][0][1, 2, 5] = float("inf")
-
-    def train(each: bool):
-        params = [torch.nn.Parameter(w.clone()) for w in W0]
-        opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile="triton")
-        for t, gs in enumerate(grads):
-            gs = [g.clone() for g in gs]
-            if t == 2:
-                opt.load_state_dict(opt.state_dict())
-            if t == 3:
-                params[0].data = params[0].data.clone()
-                gs[1] = None
-            for p, g in zip(params, gs):
-                p.grad = g
-            if each:
-                for p in params:
-                    if p.grad is not None:
-                        opt.step_param(p, opt.param_groups[0])
-                        p.grad = None
-            else:
-                opt.step()
-        assert len(opt._param_plans) == (len(params) if each else 0)
-        assert opt.nonfinite_skips == 1
-        return params, opt
-
-    got, opt = train(each=True)
-    want, ref = train(each=False)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    for sa, sb in zip(opt.state.values(), ref.state.values()):
-        for key in sb:
-            assert torch.equal(sa[key], sb[key]), key
+    got, opt = _train_through_changes(W0, grads, _step_each)
+    want, ref = _train_through_changes(W0, grads, lambda opt, params: opt.step())
+    assert len(opt._param_plans) == len(got) and not ref._param_plans
+    assert opt.nonfinite_skips == ref.nonfinite_skips == 1
+    _assert_same(got, opt, want, ref)
 
 
 @needs_triton
