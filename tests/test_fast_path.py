@@ -196,6 +196,27 @@ def test_pipelined_batch_skips_a_nonfinite_parameter_mid_pipeline(threads, clip,
             torch.testing.assert_close(opt.state[p][key], ref.state[q][key], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("share, pipelined", [(1.0, True), (0.25, False)])
+def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, share, pipelined):
+    # Two workspace slots per thread, each the size of the largest moments:
+    # with eight equal weights on two threads that is half the moments.
+    _native_or_skip()
+    monkeypatch.setattr(_fused, "_PIPELINE_WORKSPACE_SHARE", share)
+    monkeypatch.setattr(_fused, "_PIPELINE_WORKSPACE_BYTES", 0)
+    params = [torch.nn.Parameter(torch.randn(16, 64)) for _ in range(8)]
+    opt = GWTAdamW(params, lr=1e-2, compile=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        opt.step()
+    finally:
+        torch.set_num_threads(saved)
+    (entry,) = opt._kernels._backend("native")._plans["step"][3]
+    assert entry.pipelined == pipelined and entry.stride == 2 * 16 * 16
+
+
 def _bf16_bits(x):
     return x.view(torch.int16).int()
 

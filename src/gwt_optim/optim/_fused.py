@@ -454,6 +454,11 @@ def native_library() -> ctypes.CDLL:
     raise AssertionError("unreachable")
 
 
+# The pipelined batched step's workspace (two slots per thread) may be this
+# share of the moments it steps, or this many bytes, whichever is more;
+# beyond, the parameters run in turn on one slot.
+_PIPELINE_WORKSPACE_SHARE = 0.25
+_PIPELINE_WORKSPACE_BYTES = 256 << 20
 # An OpenMP region costs a few microseconds; below this many entries per
 # thread, more threads are slower.
 _MIN_ENTRIES_PER_THREAD = 1 << 15
@@ -603,10 +608,17 @@ class NativeBackend:
                 task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
                 ws_numel = max(ws_numel, 2 * M.numel())
             # One parameter per thread when there are enough to share out and
-            # none would keep one thread busy after the others are done;
-            # otherwise one after the other, each split by rows.
+            # none would keep one thread busy after the others are done, and
+            # the two workspace slots per thread (each as big as the largest
+            # parameter's moments) stay small: next to the moments, or in
+            # bytes (LLaMA-7B at 64 threads would need 12 GB of them);
+            # otherwise one after the other, each split by rows (one slot).
             sizes = [ps.grad.numel() for ps in group]
-            pipelined = len(group) >= 2 * threads and sizes[0] * threads <= sum(sizes)
+            moments = sum(2 * ps.state["exp_avg"].numel() for ps in group)
+            itemsize = _STATE_DTYPE[dtype].itemsize
+            allowed = max(_PIPELINE_WORKSPACE_SHARE * moments, _PIPELINE_WORKSPACE_BYTES / itemsize)
+            pipelined = (len(group) >= 2 * threads and sizes[0] * threads <= sum(sizes)
+                         and 2 * threads * ws_numel <= allowed)
             planned.append(_NativeTasks(dtype, group, tasks, pipelined, ws_numel))
         return planned
 
