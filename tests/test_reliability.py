@@ -331,6 +331,63 @@ def test_every_family_skips_non_finite_gradients(family, bad):
     assert torch.isfinite(W).all() and not torch.equal(W.detach(), W_before)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_eager_path_checks_every_gradient_at_once(family, monkeypatch):
+    """On a GPU, reading whether a gradient is finite waits for the device;
+    the eager path did that once per parameter, stalling every parameter's
+    launches behind the previous one's kernels. It now checks all gradients in
+    one foreach norm per step, with the same results. Forced on CPU here (``_check_waits``). GWT-AdamW runs eager here
+    (compile=False); with its fused kernels, they check gradients themselves."""
+    from gwt_optim.optim._base import GWTOptimizer
+
+    def train(at_once: bool):
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GWTOptimizer, "_check_waits", staticmethod(lambda g: at_once))
+            foreach_norm = torch._foreach_norm
+            mp.setattr(torch, "_foreach_norm", lambda ts, *a, **k: (calls.append(len(ts)), foreach_norm(ts, *a, **k))[1])
+            params = [_param((8, 32), 1), _param((6, 16), 2), _param((4, 8, 8), 3), _param((32,), 4)]
+            groups = params
+            if family == "GWTMuon":  # Muon takes 2-D weights; the rest go to its AdamW groups
+                groups = [{"params": params[:2]}, {"params": params[2:], "use_muon": False}]
+            opt = FAMILIES[family](groups, compile=False)
+            for t in range(3):
+                for i, p in enumerate(params):
+                    p.grad = _grad(tuple(p.shape), 10 * t + i)
+                if t == 1:
+                    BAD["nan"](params[1].grad)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    opt.step()
+        return params, opt, calls
+
+    got, opt, calls = train(at_once=True)
+    want, ref, ref_calls = train(at_once=False)
+    assert calls == [4, 4, 4] and ref_calls == []
+    assert opt.nonfinite_skips == ref.nonfinite_skips == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt.state.values(), ref.state.values()):
+        for key in sb:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_fused_gwt_adamw_leaves_the_checks_to_its_kernels(monkeypatch):
+    from gwt_optim.optim._base import GWTOptimizer
+
+    _native_or_skip()
+    monkeypatch.setattr(GWTOptimizer, "_check_waits", staticmethod(lambda g: True))
+    calls = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: (calls.append(len(ts)), foreach_norm(ts, *a, **k))[1])
+    params = [_param((8, 32), 1), _param((6, 16), 2)]
+    opt = GWTAdamW([{"params": params[:1]}, {"params": params[1:], "moment_dtype": "int8"}], lr=1e-2, compile=True)
+    for p in params:
+        p.grad = _grad(tuple(p.shape), 0)
+    opt.step()
+    assert calls == [1]  # the int8 group's weight only: the native kernels check the other
+
+
 # ------------------------------------------------------------ parameters --- #
 
 

@@ -707,6 +707,13 @@ class GWTOptimizer(Optimizer):
         now or queued (see :meth:`_route`)."""
         sharded = [p for p, _ in params if p.grad is not None and _is_dtensor(p)]
         finite = self._finite_across_ranks(sharded) if sharded else {}
+        if len(params) > 1:
+            # The eager path checks every gradient itself: where reading the
+            # answer waits for the device, all of them at once.
+            eager = [p for p, g in params if p.grad is not None and not _is_dtensor(p) and not p.grad.is_sparse
+                     and p.numel() and self._eager_group(g) and self._check_waits(p.grad)]
+            if eager:
+                finite.update(self._finite_at_once(eager))
         for p, group in params:
             if p.grad is None:
                 continue
@@ -917,6 +924,31 @@ class GWTOptimizer(Optimizer):
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group())
             for p, b in zip(group, bad.tolist()):
                 finite[id(p)] = not b
+        return finite
+
+    def _eager_group(self, group: dict) -> bool:
+        """Whether every parameter of ``group`` takes the eager path (no
+        fused kernels), which checks each gradient's finiteness itself."""
+        return self._impl != "fast" or type(self)._fused_kernel is GWTOptimizer._fused_kernel
+
+    @staticmethod
+    def _check_waits(grad: Tensor) -> bool:
+        """Whether reading whether ``grad`` is finite waits for its device."""
+        return grad.device.type != "cpu"
+
+    @staticmethod
+    def _finite_at_once(params: list[Tensor]) -> dict[int, bool]:
+        """Whether each parameter's gradient is finite: one foreach norm and
+        one read per device and dtype, instead of a host synchronization per parameter
+        (the eager path's check, which on a GPU stalls the launches of every
+        parameter behind the previous one's kernels)."""
+        by_device: dict[tuple, list[Tensor]] = {}
+        for p in params:
+            by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+        finite: dict[int, bool] = {}
+        for group in by_device.values():
+            norms = torch._foreach_norm([p.grad for p in group], math.inf)
+            finite.update(zip(map(id, group), torch.stack(norms).isfinite().tolist()))
         return finite
 
     @staticmethod

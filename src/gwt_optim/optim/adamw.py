@@ -132,6 +132,10 @@ class GWTAdamW(GWTOptimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_kernels", None)
 
+    def _eager_group(self, group):
+        # int8 moments and compile=False take the eager path whatever the device.
+        return super()._eager_group(group) or group["moment_dtype"] == "int8" or self._compile is False
+
     def _fused_kernel(self, group, w, G, level):
         if group["moment_dtype"] == "int8":
             return None  # the kernels read plain float moments
