@@ -19,13 +19,17 @@
 #
 #   E. (only when asked) gpu_check.sh section 4: the sweep of the Triton
 #      kernels' chunk size and num_warps.
+#   F. (only when asked) benchmarks/host_time.py --device cuda: host time of
+#      step() and of step_param on each weight (as step_in_backward steps)
+#      with the real launches, SmolLM2-135M's shapes (about 30 s).
 #
 # PARTS picks the parts and their order (default "A B wait C D"; "wait" waits
 # for A's background sweep). The GPU step alone (issue 11), most important
-# first, in about 9 minutes: PARTS="C B E D".
+# first, in about 10 minutes: PARTS="C F B E D" (E is the one to leave for a
+# second call when time is short).
 #
 #   OUT=/tmp/o COMMIT=abc1234 bash benchmarks/device_session.sh
-#   OUT=/tmp/o COMMIT=abc1234 PARTS="C B E D" bash benchmarks/device_session.sh
+#   OUT=/tmp/o COMMIT=abc1234 PARTS="C F B E D" bash benchmarks/device_session.sh
 #   DEVICE=cpu SWEEP_S=60 STEPS=2 ... bash benchmarks/device_session.sh   # CPU rehearsal
 #
 # Needs: python3 with torch (CUDA) and triton; $CARRY/whl with the wheels the
@@ -105,6 +109,14 @@ part_C() { gpu_check_part "C. step time" 2 200 check_step.md GPU_CHECK_LEVELS=0 
 
 # E. the sweep of the Triton kernels' chunk size and num_warps (at most about 3 minutes)
 part_E() { gpu_check_part "E. chunk and num_warps sweep" 4 230 check_sweep.md; }
+
+# F. host time of step() and step_param with the real launches
+part_F() {
+  [[ "$DEVICE" == cuda ]] || return 0
+  stamp "F. host time"
+  timeout 120 "$PY" benchmarks/host_time.py --device cuda --shrink 1 --steps 50 > "$OUT/host_time.md" 2>&1
+  stamp "F. done (exit $?)"
+}
 
 # D. finetune lm tokens/s on the SmolLM2-135M shape
 part_D() {

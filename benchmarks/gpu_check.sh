@@ -5,7 +5,8 @@
 #   1. the Triton backend (docs/fast-step.md) against the eager path on the
 #      LLaMA-130M attention/MLP shapes, fp32 and bf16, detail_clip, level 0,
 #      non-finite gradients, a > 2^31-entry tensor (int64 offsets), launches
-#      per step, and no host synchronization in step() (sync debug mode);
+#      per step, and no host synchronization in step() (sync debug mode), nor
+#      in step_param on each weight (bit-equal to step(), 3 launches each);
 #   2. benchmarks/step.py --device cuda: GPU (CUDA-event) time, host time and
 #      achieved GB/s of step() for GWT-AdamW (Triton) against fused AdamW, on
 #      LLaMA-130M's shapes and SmolLM2-135M's 210 matrices, fp32 and bf16;
@@ -248,6 +249,51 @@ def launches_and_sync():
 
 
 attempt("launches and sync", launches_and_sync)
+
+
+def step_param_sync():
+    """step_param on each weight, as step_in_backward calls it: each
+    parameter's own plan, bit-equal to step(), three launches each, no sync."""
+    counts = {"n": 0}
+    originals = {k: getattr(_triton, k) for k in ("_launch_phase1", "_launch_limiter", "_launch_phase2")}
+    each = [torch.nn.Parameter(w.clone()) for w in W0]
+    whole = [torch.nn.Parameter(w.clone()) for w in W0]
+    opt_each = GWTAdamW(each, lr=1e-2, level=2, compile=compile_opt)
+    opt_whole = GWTAdamW(whole, lr=1e-2, level=2, compile=compile_opt)
+
+    def step(t):
+        for p, q, g in zip(each, whole, grads[t]):
+            p.grad, q.grad = g.clone(), g.clone()
+        for p in each:
+            opt_each.step_param(p, opt_each.param_groups[0])
+            p.grad = None
+        opt_whole.step()
+
+    for t in range(2):
+        step(t)
+    for k, fn in originals.items():
+        setattr(_triton, k, lambda *a, _fn=fn, **kw: (counts.__setitem__("n", counts["n"] + 1), _fn(*a, **kw))[1])
+    try:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        for t in (2, 3):
+            step(t)
+    except RuntimeError as exc:
+        record("no host synchronization in step_param", float("nan"), 0, False, str(exc)[:300])
+        return
+    finally:
+        for k, fn in originals.items():
+            setattr(_triton, k, fn)
+        if dev == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    per_param = (counts["n"] - 2 * 6) / (2 * len(each))  # two steps of step(): 6 launches each
+    same = all(torch.equal(p, q) for p, q in zip(each, whole))
+    record("step_param on each weight: launches per parameter, no sync, bit-equal to step()", per_param, 3,
+           per_param == 3 and same, f"bit-equal to step(): {same}")
+
+
+attempt("step_param", step_param_sync)
 
 
 def int64_offsets():

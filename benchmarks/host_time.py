@@ -1,4 +1,5 @@
-"""Host time of ``GWTAdamW.step()`` on the Triton backend, without a GPU.
+"""Host time of ``GWTAdamW.step()`` on the Triton backend, without a GPU
+(or, with ``--device cuda``, on one, with the real launches).
 
 ``step_param each`` is one ``step_param(p, group)`` per parameter, as
 ``gwt_optim.step_in_backward`` steps; ``one optimizer per parameter`` is
@@ -28,6 +29,7 @@ backend.
 
     python benchmarks/host_time.py
     python benchmarks/host_time.py --steps 500 --shrink 8
+    python benchmarks/host_time.py --device cuda --shrink 1   # on a GPU, real launches
 
 Prints a markdown table and the versions and git commit.
 """
@@ -55,13 +57,18 @@ from gwt_optim.optim import _triton  # noqa: E402
 LAUNCHES = ("_launch_phase1", "_launch_limiter", "_launch_phase2")
 
 
-def mock_launches() -> dict[str, int]:
-    """Replace the kernel launches by counters (for the rest of the process)."""
+def mock_launches(run: bool = False) -> dict[str, int]:
+    """Count the kernel launches (for the rest of the process); ``run=False``
+    replaces them by the counters, ``run=True`` (on a GPU) still launches."""
     counts = {name: 0 for name in LAUNCHES}
 
     def counting(name):
+        launch_for_real = getattr(_triton, name)
+
         def launch(*args, **meta):
             counts[name] += 1
+            if run:
+                launch_for_real(*args, **meta)
 
         return launch
 
@@ -70,12 +77,12 @@ def mock_launches() -> dict[str, int]:
     return counts
 
 
-def parameters(shrink: int, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+def parameters(shrink: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(max(1, r // shrink), max(1, n // shrink)) for r, n in llama_shapes("smollm2")]
     # input/post-attention norms of each layer and the final norm
     norms = [(max(1, SMOLLM2_135M["hidden_size"] // shrink),)] * (2 * SMOLLM2_135M["num_hidden_layers"] + 1)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes + norms]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes + norms]
 
 
 class PerParameter:
@@ -96,6 +103,7 @@ def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warm
     """Host seconds of each timed step: ``step()``, or with ``per_param``
     one ``step_param`` per parameter (as stepping inside backward does)."""
     owners = [(p, g) for g in opt.param_groups for p in g["params"]]
+    cuda = params[0].device.type == "cuda"
     times = []
     for t in range(warmup + steps):
         if t == warmup:
@@ -109,6 +117,8 @@ def time_steps(opt: torch.optim.Optimizer, params: list, grads: list[list], warm
         else:
             opt.step()
         dt = time.perf_counter() - t0
+        if cuda:  # host time only: the queued kernels finish outside the timing
+            torch.cuda.synchronize()
         if t >= warmup:
             times.append(dt)
     return times
@@ -120,33 +130,40 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--shrink", type=int, default=16, help="divide SmolLM2's matrix dims by this")
     ap.add_argument("--level", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: real tensors and real launches (counted, not mocked); host time of step() alone")
     args = ap.parse_args()
 
-    counts = mock_launches()
-    _fused.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True)
+    cuda = args.device == "cuda"
+    counts = mock_launches(run=cuda)
+    if not cuda:
+        _fused.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True)
+    mocked = "" if cuda else ", launches mocked"
 
     print(f"<!-- {environment()} -->")
     print("| optimizer | dtype | gradients | host ms/step | launches/step | parameters |")
     print("|---|---|---|---:|---:|---|")
     for dtype in (torch.float32, torch.bfloat16):
         triton = lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="triton")  # noqa: E731
+        where = "CUDA" if cuda else "CPU, computes"
         cases = [
-            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "fixed", triton),
-            ("GWT-AdamW l=%d (triton, launches mocked)" % args.level, "new", triton),
+            (f"GWT-AdamW l={args.level} (triton{mocked})", "fixed", triton),
+            (f"GWT-AdamW l={args.level} (triton{mocked})", "new", triton),
             # what gwt_optim.step_in_backward costs: one step_param per weight
-            ("GWT-AdamW l=%d (triton, launches mocked), step_param each" % args.level, "new", triton),
-            ("AdamW fused (CPU, computes)", "fixed", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+            (f"GWT-AdamW l={args.level} (triton{mocked}), step_param each", "new", triton),
+            (f"AdamW fused ({where})", "fixed", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
             # what stepping inside backward costs with torch's own optimizers
-            ("AdamW fused (CPU, computes), one optimizer per parameter", "new",
+            (f"AdamW fused ({where}), one optimizer per parameter", "new",
              lambda p: PerParameter(p, lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True))),
-            ("GWT-AdamW l=%d (native, computes)" % args.level, "fixed",
-             lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")),
         ]
+        if not cuda:
+            cases.append((f"GWT-AdamW l={args.level} (native, computes)", "fixed",
+                          lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")))
         for label, grad_kind, make in cases:
-            params = parameters(args.shrink, dtype)
+            params = parameters(args.shrink, dtype, device=args.device)
             gen = torch.Generator().manual_seed(1)
             sets = 2 if grad_kind == "new" else 1
-            grads = [[torch.randn(p.shape, generator=gen).to(dtype) for p in params] for _ in range(sets)]
+            grads = [[torch.randn(p.shape, generator=gen).to(args.device, dtype) for p in params] for _ in range(sets)]
             opt = make(params)
             times = time_steps(opt, params, grads, args.warmup, args.steps, counts, "step_param" in label)
             launched = sum(counts.values()) / args.steps
