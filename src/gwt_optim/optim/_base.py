@@ -278,8 +278,7 @@ class GWTOptimizer(Optimizer):
                 if isinstance(p, Tensor):
                     self._validate_param(p, merged, f"parameter {i} of group {index} (shape {tuple(p.shape)})")
         self._state_specs.clear()
-        self._plan = None
-        self._param_plans = {}
+        self._drop_plans()
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -450,8 +449,7 @@ class GWTOptimizer(Optimizer):
         self._check_saved_state(state_dict)
         super().load_state_dict(state_dict)
         self._state_specs.clear()
-        self._plan = None
-        self._param_plans = {}
+        self._drop_plans()
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
             for key, saved in state_dict["state"].get(pid, {}).items():
@@ -741,6 +739,20 @@ class GWTOptimizer(Optimizer):
             self._phase2(ps)
 
     # ------------------------------------------------------- step plan --- #
+
+    def _drop_plans(self) -> None:
+        """Forget the step plans, and the tables their backends keep for
+        them: those reach the old state tensors, which a loaded state dict
+        replaces (kept, they would hold a second copy of the moments until
+        each parameter's next step)."""
+        backends = [backend for backend, _ in self._plan.batches] if self._plan is not None else []
+        backends += [plan.backend for plan in self._param_plans.values()]
+        for backend in {id(b): b for b in backends}.values():
+            forget = getattr(backend, "invalidate", None)
+            if forget is not None:
+                forget()
+        self._plan = None
+        self._param_plans = {}
 
     def _route_key(self, group: dict) -> tuple:
         """The group options that choose each parameter's path and state,

@@ -109,9 +109,11 @@ class FusedBackend(Protocol):
     step (see there for what the optimizer has checked). ``key`` names the
     plan: ``"step"`` for :meth:`~gwt_optim.optim._base.GWTOptimizer.step`'s,
     a parameter's id for ``step_param``'s; a backend may cache what it derives
-    from a list until another list comes under the same key. Without it, the
-    step plan calls ``step_many`` with the same ParamSteps in the same order
-    every step, and ``step_param`` calls it afresh.
+    from a list until another list comes under the same key, or until
+    ``invalidate()``, which the optimizer calls when it drops its plans
+    (``load_state_dict``, ``add_param_group``). Without it, the step plan
+    calls ``step_many`` with the same ParamSteps in the same order every step,
+    and ``step_param`` calls it afresh.
     """
 
     name: str
@@ -586,6 +588,10 @@ class NativeBackend:
         _, _, batch_of, planned = cached
         return self._run(planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
 
+    def invalidate(self) -> None:
+        """Forget the task arrays kept for the optimizer's plans."""
+        self._plans.clear()
+
     def _tasks(self, steps: list, threads: int, limiter_eps: float) -> list[_NativeTasks]:
         """The task arrays of these ParamSteps, one per weight dtype, largest
         parameter first (so that the dynamic schedule ends evenly), with
@@ -778,6 +784,10 @@ class FusedAdamWBackend:
                 lists = tuple([x for _, _, more in parts for x in more[i]] for i in range(4))
             skipped += self._step(items, *lists, group)
         return skipped
+
+    def invalidate(self) -> None:
+        """Forget the tensor lists kept for the optimizer's plans."""
+        self._plans.clear()
 
     @staticmethod
     def _lists(items: list) -> tuple[list, list, list, list]:
