@@ -284,8 +284,12 @@ static int nonfinite_double(const double *g, int64_t n) {
 
 /* Phase 1, second pass, on one row: the moments from the block sums, which t
  * holds on entry and t_k = h (M_k - A_k) d_k replaces. Returns the row's
- * sum of (M_k d_k)^2. */
+ * sum of (M_k d_k)^2. Never inlined: the vectorized sum's order is the
+ * compiler's choice in each copy, and the batched steps and the per-parameter
+ * entry points must sum a row the same way (step() and step_param agree to
+ * the bit). */
 #define DEFINE_UPDATE_ROW(T, NAME)                                                  \
+    __attribute__((noinline))                                                      \
     static double update_row_##NAME(T *restrict m, T *restrict v, T *restrict d,   \
                                     T *restrict t, int64_t nb,                     \
                                     const gwt_hyper *hp) {                         \
