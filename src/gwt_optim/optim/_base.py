@@ -641,7 +641,7 @@ class GWTOptimizer(Optimizer):
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
         self._step_params([(p, group)], batched, deferred)
-        if len(batched) == 1 and self._plannable(batched[0]) and hasattr(batched[0].fused, "step_batches"):
+        if len(batched) == 1 and self._plannable(batched[0]):
             plan = self._make_param_plan(batched.pop())
             self._param_plans[id(p)] = plan
             self._run_param_plan(plan, None)
@@ -695,7 +695,11 @@ class GWTOptimizer(Optimizer):
         plan.version = plan.count._version
         try:
             self._batch_scalars(batch)
-            self._count_skipped(plan.backend.step_batches(plan.batches, _LIMITER_EPS, key=id(plan.param)))
+            run = getattr(plan.backend, "step_batches", None)
+            if run is not None:
+                self._count_skipped(run(plan.batches, _LIMITER_EPS, key=id(plan.param)))
+            else:
+                self._count_skipped(plan.backend.step_many([(ps, batch.scale, batch.decay)], _LIMITER_EPS))
         finally:
             ps.grad = None  # the plan outlives the step; the gradient must not
 

@@ -111,9 +111,8 @@ class FusedBackend(Protocol):
     a parameter's id for ``step_param``'s; a backend may cache what it derives
     from a list until another list comes under the same key, or until
     ``invalidate()``, which the optimizer calls when it drops its plans
-    (``load_state_dict``, ``add_param_group``). Without it, the step plan
-    calls ``step_many`` with the same ParamSteps in the same order every step,
-    and ``step_param`` calls it afresh.
+    (``load_state_dict``, ``add_param_group``). Without it, the plans call
+    ``step_many`` with the same ParamSteps in the same order every step.
     """
 
     name: str
@@ -739,11 +738,6 @@ class FusedAdamWBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to build: the kernel ships with torch."""
 
-    def __init__(self) -> None:
-        # Per plan key (see step_batches): the StepBatch list, and for each
-        # call its batch and the tensor lists that stay the same.
-        self._plans: dict[Hashable, tuple[list, list[tuple]]] = {}
-
     def step_many(self, steps: list, limiter_eps: float) -> list:
         """One ``torch._fused_adamw_`` call per set of hyperparameters; returns
         the ParamSteps skipped for a non-finite gradient."""
@@ -753,72 +747,24 @@ class FusedAdamWBackend:
             g = ps.group
             key = (ps.param.dtype, _lr(g), *g["betas"], g["eps"], g["weight_decay"])
             calls.setdefault(key, []).append(ps)
-        for items in calls.values():
-            skipped += self._step(items, *self._lists(items), items[0].group)
-        return skipped
-
-    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
-        """:meth:`step_many` for one of the optimizer's plans (a list of
-        :class:`~gwt_optim.optim._base.StepBatch`, one group each; ``key`` names
-        the plan): the tensor lists of each call are made once per list."""
-        cached = self._plans.get(key)
-        if cached is None or cached[0] is not batches:
-            calls = []
-            for batch in batches:
-                by_dtype: dict[torch.dtype, list] = {}
-                for ps in batch.steps:
-                    by_dtype.setdefault(ps.param.dtype, []).append(ps)
-                calls += [(batch, items, self._lists(items)) for items in by_dtype.values()]
-            cached = self._plans[key] = (batches, calls)
-        # Groups with the same hyperparameters on this step share a call, as in step_many.
-        calls: dict[tuple, list] = {}
-        for batch, items, lists in cached[1]:
-            g = batch.group
-            calls.setdefault((items[0].param.dtype, _lr(g), *g["betas"], g["eps"], g["weight_decay"]), []).append(
-                (batch.group, items, lists))
-        skipped = []
-        for parts in calls.values():
-            group, items, lists = parts[0]
-            if len(parts) > 1:
-                items = [ps for _, more, _ in parts for ps in more]
-                lists = tuple([x for _, _, more in parts for x in more[i]] for i in range(4))
-            skipped += self._step(items, *lists, group)
-        return skipped
-
-    def invalidate(self) -> None:
-        """Forget the tensor lists kept for the optimizer's plans."""
-        self._plans.clear()
-
-    @staticmethod
-    def _lists(items: list) -> tuple[list, list, list, list]:
-        return (
-            [ps.param for ps in items],
-            [ps.state["exp_avg"] for ps in items],
-            [ps.state["exp_avg_sq"] for ps in items],
-            # The optimizer has advanced the step counts (CPU float32
-            # tensors, as fused AdamW keeps them on CPU) before the call.
-            [ps.state["step"] for ps in items],
-        )
-
-    @staticmethod
-    def _step(items: list, params: list, exp_avgs: list, exp_avg_sqs: list, steps: list, group: dict) -> list:
-        """One call for these ParamSteps of one dtype and group, leaving out
-        those with a non-finite gradient; returns those."""
-        grads = [ps.grad for ps in items]
-        finite = torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().tolist()
-        skipped = []
-        if not all(finite):
-            skipped = [ps for ps, ok in zip(items, finite) if not ok]
-            if len(skipped) == len(items):
-                return skipped
-            params, grads, exp_avgs, exp_avg_sqs, steps = (
-                [x for x, ok in zip(column, finite) if ok] for column in (params, grads, exp_avgs, exp_avg_sqs, steps)
+        for (_, lr, beta1, beta2, eps, wd), items in calls.items():
+            finite = torch.stack(torch._foreach_norm([ps.grad for ps in items], math.inf)).isfinite().tolist()
+            if not all(finite):
+                skipped += [ps for ps, ok in zip(items, finite) if not ok]
+                items = [ps for ps, ok in zip(items, finite) if ok]
+                if not items:
+                    continue
+            torch._fused_adamw_(
+                [ps.param for ps in items],
+                [ps.grad for ps in items],
+                [ps.state["exp_avg"] for ps in items],
+                [ps.state["exp_avg_sq"] for ps in items],
+                [],
+                # The optimizer has advanced the step counts (CPU float32
+                # tensors, as fused AdamW keeps them on CPU) before this call.
+                [ps.state["step"] for ps in items],
+                lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
             )
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=_lr(group), beta1=beta1, beta2=beta2,
-            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-        )
         return skipped
 
 
