@@ -235,27 +235,19 @@ DEFINE_PHASE2_CLIP_AVX2(4)
 typedef uint32_t __attribute__((may_alias)) bits32;
 typedef uint64_t __attribute__((may_alias)) bits64;
 
-static int nonfinite_float(const float *g, int64_t n) {
-    const bits32 *b = (const bits32 *)g;
-    uint32_t top = 0;
-    _Pragma("omp simd reduction(max:top)")
-    for (int64_t i = 0; i < n; ++i) {
-        const uint32_t a = b[i] & 0x7fffffffu;
-        top = a > top ? a : top;
+#define DEFINE_NONFINITE(T, NAME, BITS, MAGNITUDE, INF)                             \
+    static int nonfinite_##NAME(const T *g, int64_t n) {                           \
+        const BITS *b = (const BITS *)g;                                           \
+        BITS top = 0;                                                              \
+        _Pragma("omp simd reduction(max:top)")                                     \
+        for (int64_t i = 0; i < n; ++i) {                                          \
+            const BITS a = b[i] & (MAGNITUDE);                                     \
+            top = a > top ? a : top;                                               \
+        }                                                                          \
+        return top >= (INF);                                                       \
     }
-    return top >= 0x7f800000u;
-}
-
-static int nonfinite_double(const double *g, int64_t n) {
-    const bits64 *b = (const bits64 *)g;
-    uint64_t top = 0;
-    _Pragma("omp simd reduction(max:top)")
-    for (int64_t i = 0; i < n; ++i) {
-        const uint64_t a = b[i] & 0x7fffffffffffffffull;
-        top = a > top ? a : top;
-    }
-    return top >= 0x7ff0000000000000ull;
-}
+DEFINE_NONFINITE(float, float, bits32, 0x7fffffffu, 0x7f800000u)
+DEFINE_NONFINITE(double, double, bits64, 0x7fffffffffffffffull, 0x7ff0000000000000ull)
 
 #define NONFINITE(g, n) _Generic((g), const float *: nonfinite_float, const double *: nonfinite_double)((g), (n))
 
