@@ -963,8 +963,7 @@ class GWTOptimizer(Optimizer):
             by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p)
         finite: dict[int, bool] = {}
         for group in by_device.values():
-            norms = torch._foreach_norm([p.grad for p in group], math.inf)
-            finite.update(zip(map(id, group), torch.stack(norms).isfinite().tolist()))
+            finite.update(zip(map(id, group), _fused.all_finite([p.grad for p in group])))
         return finite
 
     @staticmethod

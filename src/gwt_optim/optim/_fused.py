@@ -745,10 +745,11 @@ class FusedAdamWBackend:
         calls: dict[tuple, list] = {}
         for ps, _, _ in steps:
             g = ps.group
-            key = (ps.param.dtype, _lr(g), *g["betas"], g["eps"], g["weight_decay"])
+            lr = g["lr"].item() if isinstance(g["lr"], Tensor) else g["lr"]
+            key = (ps.param.dtype, lr, *g["betas"], g["eps"], g["weight_decay"])
             calls.setdefault(key, []).append(ps)
         for (_, lr, beta1, beta2, eps, wd), items in calls.items():
-            finite = torch.stack(torch._foreach_norm([ps.grad for ps in items], math.inf)).isfinite().tolist()
+            finite = all_finite([ps.grad for ps in items])
             if not all(finite):
                 skipped += [ps for ps, ok in zip(items, finite) if not ok]
                 items = [ps for ps, ok in zip(items, finite) if ok]
@@ -768,9 +769,10 @@ class FusedAdamWBackend:
         return skipped
 
 
-def _lr(group: dict) -> float:
-    lr = group["lr"]
-    return lr.item() if isinstance(lr, Tensor) else lr
+def all_finite(tensors: list[Tensor]) -> list[bool]:
+    """Whether each tensor (one device and dtype) holds only finite values: one
+    foreach max-norm, read once (on a GPU, one wait instead of one each)."""
+    return torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().tolist()
 
 
 # --------------------------------------------------------------- choice --- #
