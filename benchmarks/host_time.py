@@ -57,7 +57,7 @@ from gwt_optim.optim import _triton  # noqa: E402
 LAUNCHES = ("_launch_phase1", "_launch_limiter", "_launch_phase2")
 
 
-def mock_launches(run: bool = False) -> dict[str, int]:
+def count_launches(run: bool = False) -> dict[str, int]:
     """Count the kernel launches (for the rest of the process); ``run=False``
     replaces them by the counters, ``run=True`` (on a GPU) still launches."""
     counts = {name: 0 for name in LAUNCHES}
@@ -135,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cuda = args.device == "cuda"
-    counts = mock_launches(run=cuda)
+    counts = count_launches(run=cuda)
     if not cuda:
         _fused.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True)
     mocked = "" if cuda else ", launches mocked"
