@@ -265,8 +265,8 @@ def main(argv=None) -> int:
         loss.backward()
         if not args.in_backward:
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             bar.update(len(params))
+        optimizer.zero_grad(set_to_none=True)  # in backward: the next backward is a new step
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)

@@ -1,10 +1,13 @@
 """gwt_optim.step_in_backward: a step inside backward equals a normal step."""
 
 import io
+import os
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 import gwt_optim
@@ -52,7 +55,7 @@ def _train(model, opt, sched, batches, *, in_backward):
         loss.backward()
         if not in_backward:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # in backward: marks the next backward as a new step
         sched.step()
         losses.append(loss.item())
     return losses
@@ -171,6 +174,7 @@ def test_per_parameter_clipping_matches_manual_clipping():
     with step_in_backward(opt, max_grad_norm=0.05):
         for x in _batches(3):
             _loss(model, x).backward()
+            opt.zero_grad()
     for a, b in zip(ref_model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -183,4 +187,119 @@ def test_rejects_bad_arguments():
         step_in_backward(model)
     with pytest.raises(ValueError, match="more than one"):
         step_in_backward([opt, torch.optim.SGD(model.parameters(), lr=0.1)])
+    with step_in_backward(opt):
+        with pytest.raises(RuntimeError, match="already active"):
+            step_in_backward(opt)
+    assert "zero_grad" not in vars(opt)  # remove() left the class's zero_grad
+    step_in_backward(opt).remove()
     assert gwt_optim.step_in_backward is step_in_backward
+
+
+def test_refuses_a_gradient_left_over_at_install():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    _loss(model, _batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"'emb\.weight' already has a \.grad.*zero_grad\(set_to_none=True\)"):
+        step_in_backward(opt)
+    # Refused whole: no hook stayed behind, so the normal workflow still runs.
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad(set_to_none=True)
+    with step_in_backward(opt) as handle:
+        _loss(model, _batches(1)[0]).backward()
+    assert handle.steps == len(grads)
+
+
+def test_refuses_accumulation_before_any_parameter_steps_twice():
+    model, opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    first, second = _batches(2)
+    handle = step_in_backward(opt)
+    _loss(model, first).backward()
+    after_one = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"already stepped since the last optimizer\.zero_grad\(\)"):
+        _loss(model, second).backward()  # a second micro-batch, no zero_grad between
+    for a, b in zip(after_one, model.parameters()):
+        assert torch.equal(a, b)
+    assert {int(opt.state[p]["step"]) for p in model.parameters()} == {1}
+    assert handle.steps == len(after_one)
+    # zero_grad starts a new step: the next backward steps again, as opt.step() would.
+    ref_model, ref_opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    for x in (first, second):
+        _loss(ref_model, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.zero_grad()
+    _loss(model, second).backward()
+    handle.remove()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_backwards_over_disjoint_parameters_each_step_once():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    ref = [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with step_in_backward(opt) as handle:
+        a(x).square().sum().backward()  # e.g. a generator's loss, then a discriminator's:
+        b(x).square().sum().backward()  # no parameter gets a second gradient
+    assert handle.steps == 4
+    ref_a, ref_b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with torch.no_grad():
+        for p, v in zip((*ref_a.parameters(), *ref_b.parameters()), ref):
+            p.copy_(v)
+    ref_opt = torch.optim.SGD([*ref_a.parameters(), *ref_b.parameters()], lr=0.1)
+    (ref_a(x).square().sum() + ref_b(x).square().sum()).backward()
+    ref_opt.step()
+    for p, q in zip((*ref_a.parameters(), *ref_b.parameters()), (*a.parameters(), *b.parameters())):
+        torch.testing.assert_close(p, q)
+
+
+def _distributed_worker(rank, store_path, out_dir):
+    torch.manual_seed(0)
+    # Installed before the process group exists: the first backward must notice it.
+    early = nn.Linear(6, 3)
+    early_opt = torch.optim.SGD(early.parameters(), lr=0.1)
+    step_in_backward(early_opt)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        x = torch.randn(4, 6) + rank
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+        with pytest.raises(RuntimeError, match=r"2 processes.*local gradient.*allow_distributed=True"):
+            step_in_backward(torch.optim.SGD(ddp.parameters(), lr=0.1))
+
+        before = [p.detach().clone() for p in early.parameters()]
+        with pytest.raises(RuntimeError, match="allow_distributed=True"):
+            early(x).sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, early.parameters()))
+
+        # Said to be rank-local (an independent model per rank): a plain local step.
+        torch.manual_seed(rank)
+        local, ref = nn.Linear(6, 3), nn.Linear(6, 3)
+        ref.load_state_dict(local.state_dict())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        ref(x).sum().backward()
+        ref_opt.step()
+        opt = torch.optim.SGD(local.parameters(), lr=0.1)
+        with step_in_backward(opt, allow_distributed=True):
+            local(x).sum().backward()
+        for a, b in zip(ref.parameters(), local.parameters()):
+            torch.testing.assert_close(a, b)
+        with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_refuses_a_multi_process_group_unless_told_the_gradients_are_local(tmp_path):
+    # DDP reduces a bucket after its parameters' hooks ran: stepping there
+    # used each rank's local gradient (ranks drifted 7.7e-3 apart in 3 steps).
+    mp.start_processes(_distributed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    assert {"ok0", "ok1"} <= set(os.listdir(tmp_path))
