@@ -64,6 +64,7 @@ as they were, and only its step count advances. The first skip warns once;
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -193,6 +194,43 @@ class _ParamPlan:
 
 _data_ptr = Tensor.data_ptr  # for map(): no Python frame per tensor
 
+# Traced by torch.compile (its compiled-optimizer recipe, torch.compile(opt.step)),
+# the step's Python (plans, .item() reads, ctypes and Triton calls) trained
+# silently wrong; like torch's own untraceable optimizer methods, it opts out.
+_UNTRACED_REASON = (
+    "the gwt-optim optimizer step cannot be compiled (it runs native and Triton kernels through "
+    "Python-side step plans): call opt.step() / opt.step_param() eagerly; compile the model, not the step"
+)
+_untraced_pending: list[tuple[Callable, list]] = []
+
+
+def _untraced(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable(fn, reason=...)`` makes it: a compiled
+    caller runs it eagerly, and ``fullgraph=True`` fails with that reason.
+
+    The disabled function is made by :func:`_make_untraced` when the first
+    optimizer is made, not at import: importing ``torch._dynamo`` takes
+    seconds (torch's ``Optimizer.add_param_group`` imports it on the first
+    construction anyway), and under tracing it is too late to make it (Dynamo
+    cannot trace ``torch.compiler.disable``)."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def untraced(*args, **kwargs):
+        return disabled[0](*args, **kwargs)
+
+    _untraced_pending.append((fn, disabled))
+    return untraced
+
+
+def _make_untraced() -> None:
+    if _untraced_pending:
+        for fn, disabled in _untraced_pending:
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn, reason=_UNTRACED_REASON))
+        # Cleared only once all are made: a constructor racing this one finds them all made.
+        _untraced_pending.clear()
+
 
 class GWTOptimizer(Optimizer):
     """Base class of the GWT optimizers. See the module docstring for the step.
@@ -244,6 +282,7 @@ class GWTOptimizer(Optimizer):
     _INT8_MOMENTS = False
 
     def _init_bookkeeping(self) -> None:
+        _make_untraced()
         self.__dict__.setdefault("_nonfinite_skips", 0)
         # The running skip counts that fused device kernels keep without a host
         # sync, by id (a backend hands the same tensors on every step).
@@ -567,6 +606,7 @@ class GWTOptimizer(Optimizer):
 
     # ------------------------------------------------------------ step --- #
 
+    @_untraced
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One step of every parameter with a gradient.
@@ -584,6 +624,10 @@ class GWTOptimizer(Optimizer):
         ``add_param_group``, a new level, a moved parameter, a gradient that
         appears or goes) makes a new plan on that step, after the full checks.
         Learning rates and other scalars are read on every step.
+
+        ``step`` and :meth:`step_param` opt out of ``torch.compile`` tracing (a
+        compiled caller runs them eagerly; ``fullgraph=True`` raises): compile
+        the model, not the step.
         """
         loss = None
         if closure is not None:
@@ -612,6 +656,7 @@ class GWTOptimizer(Optimizer):
         self._finish(batched, deferred)
         return loss
 
+    @_untraced
     @torch.no_grad()
     def step_param(self, p: Tensor, group: dict | None = None) -> None:
         """The step of parameter ``p`` alone (of ``group``, found if None),
