@@ -134,9 +134,9 @@ class StepBatch:
     ``step``, ``scale`` and ``decay`` and each ParamStep's ``grad`` and
     ``step``; a backend may cache what it derives from them by identity. The
     optimizer has then checked that all but the gradients is as it was when
-    the plan was made: the parameters (address, shape, dtype, device) and
-    their state (the same tensors at the same addresses). A gradient may be a
-    new tensor, of the same dtype, shape, device and contiguity.
+    the plan was made: the parameters (address, shape, strides, dtype, device)
+    and their state (the same tensors at the same addresses). A gradient may be
+    a new tensor, of the same dtype, shape, strides and device.
     """
 
     steps: list[ParamStep]
@@ -163,6 +163,9 @@ class _StepPlan:
     param_addresses: list[int]
     shapes: list[torch.Size]
     grad_specs: list[tuple]  # (dtype, contiguous) of each gradient
+    # (weight's, gradient's) strides of each: p.data = p.data.t() keeps a square
+    # weight's address and shape, and the kernels would read it as rows.
+    strides: list[tuple]
     values: list[Tensor]  # every tensor of those states, in order
     addresses: list[int]  # and their addresses
     counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
@@ -185,6 +188,7 @@ class _ParamPlan:
     address: int  # the parameter's
     shape: torch.Size
     grad_spec: tuple  # (dtype, contiguous) of the gradient
+    strides: tuple  # the parameter's and the gradient's (see _StepPlan.strides)
     count: Tensor  # state["step"]
     version: int  # its _version after the last step
     ps: ParamStep
@@ -614,10 +618,10 @@ class GWTOptimizer(Optimizer):
         Parameters that batched fused kernels step (all GWT-AdamW weights on
         CUDA) follow a *step plan*: the routing, checks and ParamSteps of the
         last step, reused while the parameters with gradients, their addresses,
-        shapes and dtypes, the gradients' dtypes, shapes and layout, the state
-        objects and the groups' routing options (:meth:`_route_key`) are as
-        they were. Then a step costs a few list comparisons and one call per
-        backend instead of the per-parameter checks, and the step counts of
+        shapes, strides and dtypes, the gradients' dtypes, shapes and strides,
+        the state objects and the groups' routing options (:meth:`_route_key`)
+        are as they were. Then a step costs a few list comparisons and one call
+        per backend instead of the per-parameter checks, and the step counts of
         those parameters (``state["step"]``, CPU float32 tensors as always)
         advance together: they are views of one tensor, advanced by one
         in-place add. Anything else (``load_state_dict``,
@@ -700,7 +704,8 @@ class GWTOptimizer(Optimizer):
         return _ParamPlan(
             param=p, group=ps.group, route=self._route_key(ps.group), state=ps.state, values=values,
             addresses=list(map(_data_ptr, values)), address=p.data_ptr(), shape=p.shape,
-            grad_spec=(ps.grad.dtype, ps.grad.is_contiguous()), count=ps.state["step"],
+            grad_spec=(ps.grad.dtype, ps.grad.is_contiguous()), strides=(p.stride(), ps.grad.stride()),
+            count=ps.state["step"],
             version=ps.state["step"]._version, ps=ps, backend=ps.fused,
             batches=[StepBatch([ps], ps.group, ps.step, ps.transformed and ps.group["scale"] != 1)],
         )
@@ -718,6 +723,7 @@ class GWTOptimizer(Optimizer):
             or (grad.dtype, grad.is_contiguous()) != plan.grad_spec
             or p.data_ptr() != plan.address
             or p.shape != plan.shape
+            or (p.stride(), grad.stride()) != plan.strides
             or self._route_key(plan.group) != plan.route
         ):
             return None
@@ -850,6 +856,7 @@ class GWTOptimizer(Optimizer):
             param_addresses=list(map(_data_ptr, fast_params)),
             shapes=[p.shape for p in fast_params],
             grad_specs=[(ps.grad.dtype, ps.grad.is_contiguous()) for ps in fast],
+            strides=[(ps.full_param.stride(), ps.grad.stride()) for ps in fast],
             values=values,
             addresses=list(map(_data_ptr, values)),
             counter=counter,
@@ -909,6 +916,7 @@ class GWTOptimizer(Optimizer):
             specs == plan.grad_specs
             and list(map(_data_ptr, fast)) == plan.param_addresses
             and [p.shape for p in fast] == plan.shapes
+            and [(p.stride(), g.stride()) for p, g in zip(fast, grads)] == plan.strides
             and len(values) == len(plan.values)
             and all(map(operator.is_, values, plan.values))
             and list(map(_data_ptr, values)) == plan.addresses
