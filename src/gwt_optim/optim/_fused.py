@@ -62,12 +62,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import math
 import os
 import platform
 import re
 import shutil
-import stat
 import subprocess
 import tempfile
 import warnings
@@ -78,7 +78,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from gwt_optim import wavelets
+from gwt_optim import _cache, wavelets
 
 __all__ = [
     "BACKENDS",
@@ -261,9 +261,7 @@ class _Task(ctypes.Structure):
 def cache_dir() -> Path:
     """Where built kernels are kept: the ``kernels`` folder of the one cache
     rule (:mod:`gwt_optim._cache`), ``~/.cache/gwt-optim/kernels`` by default."""
-    from gwt_optim._cache import cache_dir as _kind_dir
-
-    return _kind_dir("kernels")
+    return _cache.cache_dir("kernels")
 
 
 def _compiler() -> str:
@@ -290,30 +288,6 @@ def _host_fingerprint(cc: str) -> str:
     return version + cpu
 
 
-def _unsafe_reason(directory: Path) -> str | None:
-    """Why libraries in ``directory`` could be someone else's, or None.
-
-    Loading a library runs its code, so it must come from a directory only
-    this user can write to.
-    """
-    if not hasattr(os, "getuid"):
-        return None  # no POSIX ownership (Windows): the user's profile directory
-    st = directory.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if st.st_uid != os.getuid():
-        return f"it belongs to uid {st.st_uid}, not to this user"
-    if st.st_mode & 0o022:
-        return f"other users can write to it (mode {oct(stat.S_IMODE(st.st_mode))})"
-    # Whoever can write to the folder above (without the sticky bit, as /tmp
-    # has) can swap this one for their own.
-    parent = directory.resolve().parent
-    pst = parent.stat()
-    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
-        return f"other users can replace it: {parent} is writable by them (mode {oct(stat.S_IMODE(pst.st_mode))})"
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def _private_dir() -> Path:
     """A fresh directory only this process's user can use (mode 0700)."""
@@ -324,38 +298,45 @@ def _private_dir() -> Path:
     return directory
 
 
-def _kernel_dir() -> Path:
-    """:func:`cache_dir` when it is this user's alone, else a private temporary directory."""
-    directory = cache_dir()
+def _open_private_dir() -> tuple[Path, int]:
+    """:func:`_private_dir`, opened and checked as the cache is: path and descriptor."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        reason = _unsafe_reason(directory)
-        if reason is not None and "GWT_OPTIM_CACHE" not in os.environ:
-            st = directory.stat()
-            if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode):
-                # Our own default cache, created group-writable under a umask of 002.
-                os.chmod(directory, 0o700)
-                reason = _unsafe_reason(directory)
-    except OSError as exc:
-        reason = f"it cannot be used: {exc}"
-    if reason is None:
-        return directory
-    private = _private_dir()
+        return _cache.open_private_dir(_private_dir())
+    except (_cache.UnsafePath, OSError) as exc:
+        raise KernelUnavailable(
+            f"no private folder for the fused CPU kernels ({exc}); set $TMPDIR to a folder only you can "
+            "write to, or pass compile=False to use the eager path"
+        ) from exc
+
+
+def _fall_back(directory: Path, reason: str) -> tuple[Path, int]:
+    private, fd = _open_private_dir()
     warnings.warn(
         f"GWT: not caching the fused CPU kernels in {directory} ({reason}); building them in {private} "
         "for this process only. Set $GWT_OPTIM_CACHE to a directory only you can write to",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
-    return private
+    return private, fd
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _kernel_dir() -> tuple[Path, int]:
+    """:func:`cache_dir` when it is this user's alone (see
+    :func:`gwt_optim._cache.open_private_dir`), else a private temporary
+    directory: its path and an open descriptor, which the caller closes."""
+    if not _cache.SECURE_OPEN:
+        raise KernelUnavailable(
+            "loading the fused CPU kernels safely needs POSIX openat and O_NOFOLLOW, which this platform "
+            "lacks; pass compile=False to use the eager path"
+        )
+    try:
+        # Our own default cache may have been created group-writable under a umask of 002.
+        return _cache.open_private_dir(_cache.cache_root(), "kernels", repair="GWT_OPTIM_CACHE" not in os.environ)
+    except _cache.UnsafePath as exc:
+        reason = str(exc)
+    except OSError as exc:
+        reason = f"it cannot be used: {exc}"
+    return _fall_back(cache_dir(), reason)
 
 
 def _library_path(directory: Path, name: str, digest: str) -> Path:
@@ -364,45 +345,73 @@ def _library_path(directory: Path, name: str, digest: str) -> Path:
     return directory / f"{name}-{digest[:16]}.so"
 
 
-def _cached_library(directory: Path, name: str) -> Path | None:
-    """The library the digest file ``name.sha256`` names, if its bytes still hash to it."""
+# What a missing, stale, foreign or broken cached library raises on loading.
+_LOAD_ERRORS = (OSError, ValueError, AttributeError, _cache.UnsafePath)
+_copies = itertools.count()
+
+
+def _load_checked(dir_fd: int, directory: Path, name: str) -> ctypes.CDLL:
+    """Open the library the digest file ``name.sha256`` names in the checked
+    kernels folder ``dir_fd`` (shown as ``directory``), check it, and load
+    exactly the bytes checked.
+
+    dlopen takes a path and opens it again, so it never sees the cache: the
+    bytes read through one descriptor (a regular file of this user's, no
+    link) are hashed, written to a new file in this process's private folder
+    and that file is loaded, through that folder's descriptor where /proc
+    allows. A file swapped in at the cache's path after the check never loads,
+    nor does a truncated one (it would SIGBUS the process when it maps the
+    missing pages). Raises one of :data:`_LOAD_ERRORS`.
+    """
+    pointer = directory / f"{name}.sha256"
+    digest = _cache.read_private_file(dir_fd, pointer.name, pointer).decode("ascii", "replace").strip()
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ValueError(f"{pointer} holds no SHA-256 digest")
+    path = _library_path(directory, name, digest)
+    data = _cache.read_private_file(dir_fd, path.name, path)
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"{path} no longer matches its digest")
+    private, fd = _open_private_dir()
     try:
-        digest = (directory / f"{name}.sha256").read_text().strip()
-        if not re.fullmatch(r"[0-9a-f]{64}", digest):
-            return None
-        path = _library_path(directory, name, digest)
-        # Checked before dlopen: a truncated library would SIGBUS the process
-        # when it maps the missing pages, and a garbage one would never load.
-        return path if _sha256(path) == digest else None
-    except OSError:
-        return None
-
-
-def _build_library(cc: str, directory: Path, name: str) -> Path:
-    """Compile ``_fused_cpu.c``, then publish it and its digest atomically."""
-    errors = []
-    for flags in _FLAG_SETS:
-        # Build under a private name and rename: concurrent processes
-        # (pytest -n, torchrun) may build the same library at once.
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so")
+        # A new name for every load: dlopen hands back whatever library it
+        # already loaded under a name, without opening the file.
+        copy = f"loaded-{os.getpid()}-{next(_copies)}-{path.name}"
+        _cache.write_private_file(fd, copy, data, mode=0o700)
+        via_fd = f"/proc/self/fd/{fd}"
+        lib = ctypes.CDLL(f"{via_fd}/{copy}" if os.path.isdir(via_fd) else str(private / copy))
+    finally:
         os.close(fd)
-        proc = subprocess.run([cc, *flags, *_COMMON_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
+    lib._name = str(path)  # the file it was checked as, for messages: the copy is gone at exit
+    return _bind(lib)
+
+
+def _build_library(cc: str) -> bytes:
+    """Compile ``_fused_cpu.c`` with the first flag set that works; the library's bytes.
+
+    The compiler writes by path, so it writes into a fresh private folder;
+    :func:`_publish` copies the result into the cache through its descriptor."""
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="gwt_optim-build-") as work:
+        out = os.path.join(work, "kernels.so")
+        for flags in _FLAG_SETS:
+            proc = subprocess.run([cc, *flags, *_COMMON_FLAGS, "-o", out, str(_SOURCE)], capture_output=True, text=True)
+            if proc.returncode == 0:
+                with open(out, "rb") as f:
+                    return f.read()
             errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-            continue
-        digest = _sha256(Path(tmp))
-        path = _library_path(directory, name, digest)
-        os.replace(tmp, path)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".sha256")
-        with os.fdopen(fd, "w") as f:
-            f.write(digest + "\n")
-        os.replace(tmp, directory / f"{name}.sha256")
-        return path
     raise KernelUnavailable(
         f"building the fused CPU kernels with {cc} failed; pass compile=False to use the eager path. "
         + "\n".join(errors)
     )
+
+
+def _publish(dir_fd: int, name: str, data: bytes) -> None:
+    """Write a build, then the digest file naming it, into the kernels folder
+    ``dir_fd``, each atomically: concurrent processes (pytest -n, torchrun)
+    may build the same library at once."""
+    digest = hashlib.sha256(data).hexdigest()
+    _cache.write_private_file(dir_fd, _library_path(Path(), name, digest).name, data, mode=0o755)
+    _cache.write_private_file(dir_fd, f"{name}.sha256", f"{digest}\n".encode())
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -428,31 +437,49 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def native_library() -> ctypes.CDLL:
     """Build (once per host and source version) and load the fused CPU kernels.
 
-    The library is cached in :func:`cache_dir` (or, when another user could
-    write there, in a private temporary directory) beside its SHA-256, which
-    is checked before every load; a mismatch or a failed load rebuilds it
-    once. Raises :class:`KernelUnavailable` with the compiler's message when
-    no flag set compiles.
+    The library is cached in :func:`cache_dir` beside its SHA-256, opened
+    through that folder's checked descriptor and verified before every load
+    (:func:`_load_checked`); a missing, stale or unfit library is rebuilt once.
+    When another user could write there, or it is no folder, the kernels are
+    built in a private temporary directory instead, and so they are when it
+    cannot be written (one warning each: training still gets its kernels).
+    Raises :class:`KernelUnavailable` with the compiler's message when no
+    flag set compiles.
     """
     cc = _compiler()
     source = _SOURCE.read_text()
     key = hashlib.sha256((source + _host_fingerprint(cc) + repr(_FLAG_SETS + (_COMMON_FLAGS,))).encode()).hexdigest()[:20]
-    directory = _kernel_dir()
     name = f"adamw_haar_{key}"
-    path = _cached_library(directory, name)
-    for attempt in range(2):
-        if path is None:
-            path = _build_library(cc, directory, name)
+    directory, fd = _kernel_dir()
+    try:
         try:
-            return _bind(ctypes.CDLL(str(path)))
-        except (OSError, AttributeError) as exc:
-            if attempt:
+            return _load_checked(fd, directory, name)
+        except _LOAD_ERRORS:
+            pass
+        data = _build_library(cc)
+        try:
+            _publish(fd, name, data)
+        except OSError as exc:  # a read-only cache (or a full disk): training still gets its kernels
+            os.close(fd)
+            fd = -1
+            directory, fd = _fall_back(directory, f"it cannot be written: {exc.strerror or exc}")
+            try:
+                _publish(fd, name, data)
+            except OSError as again:
                 raise KernelUnavailable(
-                    f"loading the fused CPU kernels from {path} failed after a rebuild ({exc}); "
+                    f"writing the fused CPU kernels to {directory} failed ({again}); "
                     "pass compile=False to use the eager path"
-                ) from exc
-            path = None
-    raise AssertionError("unreachable")
+                ) from again
+        try:
+            return _load_checked(fd, directory, name)
+        except _LOAD_ERRORS as exc:
+            raise KernelUnavailable(
+                f"loading the fused CPU kernels from {directory} failed after a rebuild ({exc}); "
+                "pass compile=False to use the eager path"
+            ) from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 # The pipelined batched step's workspace (two slots per thread) may be this
