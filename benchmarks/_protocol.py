@@ -301,6 +301,9 @@ class Runner:
         self._procs: set[subprocess.Popen] = set()
         self.unavailable: dict[str, str] = {}  # spec -> why (preflight)
         self.counts = {"ran": 0, "reused": 0, "failed": 0, "skipped": 0}
+        # Resume a cut-short run from its last checkpoint (its config.json unchanged) instead of starting
+        # it afresh: the budget mode's long runs span sessions.
+        self.resume_partial = False
 
     # paths and configs ---------------------------------------------------- #
     def run_dir(self, job: Job) -> Path:
@@ -386,6 +389,8 @@ class Runner:
                 self.counts["skipped"] += 1
             return self._result(job, "skipped", error="deadline reached before it started")
         run = self.run_dir(job)
+        if self.resume_partial and self._resumable(job):
+            return self._launch(job, resume=True)
         if (run / "summary.json").is_file():  # a finished run is never deleted: move it aside
             k = 1
             while run.with_name(f"{run.name}.old{k}").exists():
@@ -395,8 +400,23 @@ class Runner:
         run.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # a half-written run starts afresh
         (run / "config.json").unlink(missing_ok=True)
+        return self._launch(job, resume=False)
+
+    def _resumable(self, job: Job) -> bool:
+        run = self.run_dir(job)
+        ckpt = run / "checkpoints"
+        try:
+            return (not (run / "summary.json").is_file() and ckpt.is_dir() and any(ckpt.iterdir())
+                    and same_config(json.loads((run / "config.json").read_text()), self.config(job)))
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    def _launch(self, job: Job, *, resume: bool) -> dict[str, Any]:
+        run = self.run_dir(job)
         requested = run / "requested_config.json"
         requested.write_text(json.dumps(self.config(job), indent=2))
+        if resume:
+            self._say(f"{job.describe()}: resuming from its last checkpoint")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                          os.environ.get("PYTHONPATH")])),
                "TOKENIZERS_PARALLELISM": "false"}
@@ -404,8 +424,9 @@ class Runner:
             env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         t0 = time.perf_counter()
         status = "ok"
-        with open(run / "log.txt", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "gwt_optim", "pretrain", "--config", str(requested)],
+        with open(run / "log.txt", "a" if resume else "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "gwt_optim", "pretrain", "--config", str(requested)]
+                                    + (["--resume"] if resume else []),
                                     stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             with self._lock:
                 self._procs.add(proc)

@@ -5,6 +5,8 @@
         --extra gwt-adamw:level=2:detail_clip=0.5 --jobs 12 --device cuda --resume
     python benchmarks/quality.py --plan                           # list the jobs, run nothing
     python benchmarks/quality.py --regime ...                     # also the regime study (see regime.py)
+    python benchmarks/quality.py --budget 16M --tune-steps 1000 --jobs 2 --threads 1 --resume --out runs/budget
+                                                                  # quality at a real budget (_budget.py)
 
 Protocol (benchmarks/_protocol.py has the details):
 
@@ -39,6 +41,12 @@ from _protocol import main as protocol_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a == "--budget" or a.startswith("--budget=") for a in args):
+        from _budget import __doc__ as budget_doc
+        from _budget import main as budget_main
+
+        return budget_main(argv, budget_doc)
     return protocol_main(argv, mode="quality", description=__doc__)
 
 

@@ -91,8 +91,10 @@ class OptimizerConfig:
         return keys
 
 
-# Options every entry takes: they set the OptimizerConfig field of that name.
-SHARED_OPTIONS: tuple[str, ...] = ("lr", "weight_decay", "eps", "scale", "recipe", "regular_lr")
+# Options every entry takes: they set the OptimizerConfig field of that name
+# (beta1 and beta2 set the two halves of ``betas``, for every group).
+SHARED_OPTIONS: tuple[str, ...] = ("lr", "weight_decay", "eps", "scale", "recipe", "regular_lr", "beta1", "beta2")
+_NUMBER_OPTIONS = ("lr", "weight_decay", "eps", "scale", "regular_lr", "beta1", "beta2")
 
 
 @dataclass
@@ -162,8 +164,10 @@ def _check_options(name: str, opts: dict[str, Any]) -> None:
     for key, value in opts.items():
         if key in spec.defaults:
             _check_type(name, key, value, spec.defaults[key])
-        elif key in ("lr", "weight_decay", "eps", "scale", "regular_lr"):
+        elif key in _NUMBER_OPTIONS:
             _check_type(name, key, value, 0.0)
+        if key in ("beta1", "beta2") and key not in spec.defaults and not 0.0 <= value < 1.0:
+            raise ValueError(f"{name}: option {key}={value!r} must be in [0, 1)")
 
 
 def parse_optimizer_arg(text: str) -> tuple[str, dict[str, Any]]:
@@ -199,8 +203,13 @@ def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> tor
     cfg = OptimizerConfig(**{**config.__dict__, "options": opts})
     if cfg.regular_eps is None:
         cfg.regular_eps = cfg.eps
+    betas = list(cfg.betas)
+    for i, key in enumerate(("beta1", "beta2")):
+        if key in cfg.options and key not in spec.defaults:  # an entry's own beta1 (Adafactor) is its own
+            betas[i] = float(cfg.options.pop(key))
+    cfg.betas = (betas[0], betas[1])
     for key in SHARED_OPTIONS:
-        if key in cfg.options:  # name:lr=... overrides the shared value
+        if key in cfg.options and key not in ("beta1", "beta2"):  # name:lr=... overrides the shared value
             setattr(cfg, key, cfg.options.pop(key))
     opt = spec.factory(model, cfg)
     if cfg.options:  # a declared option its factory forgot to read: a bug here, not the user's

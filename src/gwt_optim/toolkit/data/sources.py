@@ -158,7 +158,7 @@ def check_source(source: str) -> None:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--data {source!r}: no such file or folder; use 'demo', 'c4' or a path")
+        raise FileNotFoundError(f"--data {source!r}: no such file or folder; use 'demo', 'pysrc', 'c4' or a path")
     _local_files(path)
 
 
@@ -243,7 +243,15 @@ def _local_texts(root: Path, split: str, limit: int | None) -> list[str]:
     return docs[:limit] if limit is not None else docs
 
 
-_SOURCES: dict[str, Callable[[str, int, int | None], list[str]]] = {"demo": _demo_texts, "c4": _c4_texts}
+def _pysrc_texts(split: str, seed: int, limit: int | None) -> list[str]:  # noqa: ARG001 (a fixed split)
+    from gwt_optim.toolkit.data import pysrc
+
+    return pysrc.load_split(split, limit=limit)
+
+
+_SOURCES: dict[str, Callable[[str, int, int | None], list[str]]] = {
+    "demo": _demo_texts, "c4": _c4_texts, "pysrc": _pysrc_texts,
+}
 
 
 def load_texts(source: str, split: str, *, seed: int = 0, limit: int | None = None) -> list[str]:
@@ -256,5 +264,5 @@ def load_texts(source: str, split: str, *, seed: int = 0, limit: int | None = No
         return _SOURCES[source](split, seed, limit)
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--data {source!r}: use 'demo', 'c4' or an existing file or folder")
+        raise FileNotFoundError(f"--data {source!r}: use 'demo', 'pysrc', 'c4' or an existing file or folder")
     return _local_texts(path, split, limit)

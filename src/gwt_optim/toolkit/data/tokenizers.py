@@ -106,8 +106,9 @@ def _hub_tokenizer(spec: str):
 
 
 def _default_tokenizer(data: str) -> str:
-    """The paper's t5-base for C4 and local text, the small BPE for the demo."""
-    return "bpe" if data == "demo" else "t5-base"
+    """The paper's t5-base for C4 and local text, a small BPE of their own for
+    the offline corpora (the demo, ``pysrc``)."""
+    return "bpe" if data in ("demo", "pysrc") else "t5-base"
 
 
 def load_pretrain_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed: int = 0,

@@ -1,0 +1,462 @@
+"""The budget mode of ``benchmarks/quality.py``: quality at a real token budget.
+
+The demo protocol (``_protocol.py``) trains about one epoch of a 956K-token
+corpus, a regime where AdamW's best matrix lr barely moves its matrices. The
+budget mode follows the published optimizer studies instead (Kaddour et al.
+2023, Semenov et al. 2025, Wen et al. 2025): a large corpus (``--data pysrc``,
+about 50M tokens), a fixed token budget of about 20 tokens per non-embedding
+parameter or more, the AdamW baseline tuned on lr and beta2, comparison at
+the end of training, and the speedup as the tokens a contender needs to reach
+tuned AdamW's final loss.
+
+Stages, all with matrix-only fairness (embeddings, head, norms and biases on
+AdamW at ``--regular-lr``; only the attention and MLP matrices change
+optimizer, alpha 1, the grid value is the matrix lr):
+
+1. AdamW on its lr grid x ``--beta2s`` (tuning seeds, ``--tune-steps``).
+2. Every other contender on its own grid, at AdamW's best beta2 (one beta2
+   for every run keeps the regular parameters' optimizer identical).
+3. Each contender at its best lr on the reporting seeds at the full budget,
+   and AdamW with frozen matrices (matrix lr 1e-9) for sanity gate (b).
+
+Gates, printed with the report: (a) every contender's best lr lies inside its
+grid; (b) AdamW's trained matrices beat frozen ones by ``--gate-nats``.
+
+Runs save a checkpoint every ``--save-every`` steps and ``--resume`` resumes a
+cut-short run from it, so the study can span several sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import _protocol as P
+
+# Grids around the short-horizon bests (docs/results/h200-263fb73, the 600-step
+# probe of issue 18): three points each, as the CPU plan allows.
+DEFAULT_GRIDS: dict[str, str] = {
+    "adamw": "3e-4,1e-3,3e-3",
+    "gwt-adamw:level=2": "1e-3,3e-3,1e-2",
+    "gwt-adamw:level=2:detail_clip=none": "1e-3,3e-3,1e-2",
+    "muon": "3e-3,1e-2,3e-2",
+    "gwt-muon:level=2": "1e-2,3e-2,1e-1",
+}
+DEFAULT_BETA2S = "0.95,0.999"
+FROZEN_LR = 1e-9  # "matrix lr 0": TrainConfig wants lr > 0; 2,000 steps of 1e-9 move no weight measurably
+PLOT_PATH = P.ROOT / "docs" / "images" / "loss-vs-tokens.png"
+
+
+def parse_tokens(text: str) -> int:
+    """``16M``, ``64K``, ``16000000`` -> tokens."""
+    t = str(text).strip().upper().replace("_", "")
+    mult = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"--budget {text!r}: a token count such as 16M or 64K") from None
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", required=True, help="training tokens of each reported run (e.g. 16M)")
+    g = p.add_argument_group("setting")
+    g.add_argument("--data", default="pysrc", help="corpus (default pysrc: ~50M tokens built from pinned sdists)")
+    g.add_argument("--model", default="llama_9m")
+    g.add_argument("--tokens-per-step", type=int, default=8192)
+    g.add_argument("--seq-len", type=int, default=256)
+    g.add_argument("--vocab-size", type=int, default=4096)
+    g.add_argument("--val-tokens", type=int, default=65536)
+    g.add_argument("--regular-lr", type=float, default=3e-3,
+                   help="lr of embeddings, head, norms, biases (AdamW) for every contender (default 3e-3)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip for every run (default 1.0)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay for every run (0)")
+    g.add_argument("--warmup", type=float, default=0.1)
+    g.add_argument("--evals", type=int, default=20, help="validations per run (the loss-vs-tokens curve)")
+    g = p.add_argument_group("contenders and grids")
+    g.add_argument("--contenders", default=",".join(DEFAULT_GRIDS), help="specs; AdamW is always the baseline")
+    g.add_argument("--grid", action="append", default=[], metavar="SPEC=LR,LR,...",
+                   help="a contender's matrix-lr grid (defaults: " + "; ".join(
+                       f"{k}={v}" for k, v in DEFAULT_GRIDS.items()) + ")")
+    g.add_argument("--beta2s", default=DEFAULT_BETA2S, help=f"AdamW's beta2 grid (default {DEFAULT_BETA2S})")
+    g.add_argument("--beta2", type=float,
+                   help="beta2 of every contender but AdamW, fixed now (default: AdamW's best, so they wait for it)")
+    g.add_argument("--tune-steps", type=int, help="steps of a tuning run (default: the budget's)")
+    g.add_argument("--tune-seeds", default="0")
+    g.add_argument("--report-seeds", default="1,2")
+    g.add_argument("--gate-nats", type=float, default=0.3, help="sanity gate (b): trained minus frozen (0.3)")
+    g = p.add_argument_group("running")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--precision", default="fp32")
+    g.add_argument("--jobs", type=int, default=1)
+    g.add_argument("--threads", type=int)
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint interval, for --resume (100)")
+    g.add_argument("--resume", action="store_true", help="reuse finished runs, resume cut-short ones")
+    g.add_argument("--report-only", action="store_true", help="report the finished runs, start none")
+    g.add_argument("--out", default="runs/budget")
+    g.add_argument("--plot", default=str(PLOT_PATH), help="where the loss-vs-tokens plot also goes ('' for none)")
+    g.add_argument("--commit", help="the git commit to report when git cannot tell")
+    return p
+
+
+def grids_of(args) -> dict[str, list[float]]:
+    labels = P.with_baseline(P.specs_arg(args.contenders))
+    grids = {c: P.floats(DEFAULT_GRIDS[c]) for c in labels if c in DEFAULT_GRIDS}
+    for item in args.grid:
+        spec, _, lrs = item.rpartition("=")
+        if not spec or not lrs:
+            raise ValueError(f"--grid {item!r}: expected SPEC=LR,LR,...")
+        grids[P.contender_label(spec)] = P.floats(lrs)
+    missing = [c for c in labels if c not in grids]
+    if missing:
+        raise ValueError(f"no lr grid for {', '.join(missing)}: give --grid SPEC=LR,LR,...")
+    return {c: sorted(grids[c]) for c in labels}
+
+
+def with_beta2(label: str, beta2: float) -> str:
+    name, opts = P.parse_spec(label)
+    opts.setdefault("beta2", f"{beta2:g}")
+    return P.format_spec(name, opts)
+
+
+def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:
+    """(tokens, validation loss) of every validation of a run."""
+    from gwt_optim.toolkit.metrics import read_jsonl
+
+    try:
+        rows = read_jsonl(run / "metrics.jsonl")
+    except (OSError, ValueError):
+        return []
+    out = {}
+    for r in rows:
+        if "val_loss" in r and P.finite(r["val_loss"]):
+            out[int(r["step"]) * tokens_per_step] = float(r["val_loss"])
+    return sorted(out.items())
+
+
+def tokens_to_reach(curve: Sequence[tuple[int, float]], target: float) -> float | None:
+    """The first token count at which ``curve`` reaches ``target`` (linear between validations), else None."""
+    prev = None
+    for tokens, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(tokens)
+            t0, l0 = prev
+            return t0 + (tokens - t0) * (l0 - target) / (l0 - loss)
+        prev = (tokens, loss)
+    return None
+
+
+class Budget:
+    """The three stages on one shared pool of ``jobs`` processes."""
+
+    def __init__(self, args, base: dict[str, Any], windows: int, start: float):
+        self.args = args
+        self.T = args.tokens_per_step
+        self.steps = max(1, parse_tokens(args.budget) // self.T)
+        self.tune_steps = args.tune_steps or self.steps
+        self.R = args.regular_lr
+
+        def runner(sub: str, steps: int) -> P.Runner:
+            b = {**base, "eval_every": max(1, steps // max(1, args.evals)),
+                 "save_every": min(args.save_every, steps) if args.save_every else 0}
+            r = P.Runner(Path(args.out) / sub, P.Setting(b, windows, steps=steps), jobs=args.jobs,
+                         threads=args.threads, resume=args.resume, offline=args.report_only, start=start)
+            r.resume_partial = args.resume
+            return r
+
+        self.tuner = runner("tune", self.tune_steps)
+        self.reporter = runner("report", self.steps)
+        self.reporter.pool.shutdown()
+        self.reporter.pool = self.tuner.pool  # one queue: never more than --jobs processes
+
+    def spec(self, label: str, lr: float) -> str:
+        return P.run_spec(label, "fair", lr=lr, regular_lr=self.R)
+
+    def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int]) -> dict:
+        jobs = {(b2, lr, s): P.Job(self.T, self.spec(with_beta2(label, b2), lr), lr, s)
+                for b2 in beta2s for lr in lrs for s in seeds}
+        return {k: self.tuner.submit(j) for k, j in jobs.items()}
+
+    def tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
+             futs: dict | None = None) -> dict[str, Any]:
+        futs = futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds)
+        res = {k: f.result() for k, f in futs.items()}
+        grid = {b2: {lr: P.mean_std([res[(b2, lr, s)]["val_loss"] for s in seeds])[0] for lr in lrs}
+                for b2 in beta2s}
+        ok = [(m, lr, b2) for b2, row in grid.items() for lr, m in row.items() if m is not None]
+        best = min(ok) if ok else None
+        return {"label": label, "lrs": lrs, "beta2s": beta2s,
+                "grid": {f"{b2:g}": {P.fmt_lr(lr): m for lr, m in row.items()} for b2, row in grid.items()},
+                "status": {f"{b2:g}:{P.fmt_lr(lr)}": [res[(b2, lr, s)]["status"] for s in seeds]
+                           for b2 in beta2s for lr in lrs},
+                "best_lr": best[1] if best else None, "best_beta2": best[2] if best else None,
+                "best_tune_loss": best[0] if best else None,
+                "edge": bool(best) and len(lrs) > 1 and best[1] in (lrs[0], lrs[-1])}
+
+    def report(self, label: str, lr: float, beta2: float, seeds: list[int]) -> dict[str, Any]:
+        jobs = {s: P.Job(self.T, self.spec(with_beta2(label, beta2), lr), lr, s) for s in seeds}
+        futs = {s: self.reporter.submit(j) for s, j in jobs.items()}
+        runs = []
+        for s, f in futs.items():
+            r = f.result()
+            runs.append({"seed": s, "val_loss": r.get("val_loss"), "status": r.get("status"),
+                         "state_bytes": r.get("state_bytes"), "wall_s": r.get("wall_s"),
+                         "ms_per_step": r.get("ms_per_step"), "spec": jobs[s].spec,
+                         "curve": read_curve(self.reporter.run_dir(jobs[s]), self.T)})
+        m, sd = P.mean_std([r["val_loss"] for r in runs])
+        states = [r["state_bytes"] for r in runs if r.get("state_bytes")]
+        return {"lr": lr, "beta2": beta2, "runs": runs, "mean": m, "std": sd,
+                "n": sum(P.finite(r["val_loss"]) for r in runs), "state_bytes": states[0] if states else None}
+
+
+def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any]:
+    grids = grids_of(args)
+    beta2s = P.floats(args.beta2s)
+    tune_seeds, report_seeds = P.ints(args.tune_seeds), P.ints(args.report_seeds)
+    P.split_seeds(tune_seeds, report_seeds)
+    b = Budget(args, base, windows, start)
+    out: dict[str, Any] = {"steps": b.steps, "tune_steps": b.tune_steps, "tokens_per_step": b.T,
+                           "budget_tokens": b.steps * b.T, "regular_lr": b.R, "tune_seeds": tune_seeds,
+                           "report_seeds": report_seeds, "grids": {c: g for c, g in grids.items()},
+                           "contenders": {}}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        print(f"\nsignal {signum}: stopping the runs in flight (they resume with --resume)", flush=True)
+        b.tuner.abort()
+        b.reporter.abort()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        others = [c for c in grids if c != P.BASELINE]
+        if args.beta2 is None:  # every other contender waits for AdamW's best beta2
+            base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds)
+            beta2 = base_t["best_beta2"] if base_t["best_beta2"] is not None else beta2s[0]
+            pending: dict[str, dict] = {}
+        else:  # beta2 fixed for the others: interleave, so each contender meets AdamW early
+            beta2 = args.beta2
+            first = [beta2] if beta2 in beta2s else []
+            futs = b.submit_tune(P.BASELINE, grids[P.BASELINE], first, tune_seeds)
+            pending = {c: b.submit_tune(c, grids[c], [beta2], tune_seeds) for c in others[:1]}
+            futs.update(b.submit_tune(P.BASELINE, grids[P.BASELINE], [x for x in beta2s if x not in first],
+                                      tune_seeds))
+            pending.update({c: b.submit_tune(c, grids[c], [beta2], tune_seeds) for c in others[1:]})
+            base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds, futs)
+        out["beta2"] = beta2
+        out["adamw_best_beta2"] = base_t["best_beta2"]
+
+        def contender(label: str) -> dict[str, Any]:
+            t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
+                                                          pending.get(label))
+            if t["best_lr"] is None:
+                return {**t, "runs": [], "mean": None, "std": None, "n": 0}
+            b2 = t["best_beta2"] if label == P.BASELINE else beta2
+            return {**t, **b.report(label, t["best_lr"], b2, report_seeds)}
+
+        with ThreadPoolExecutor(max_workers=len(grids) + 1) as pool:
+            frozen = pool.submit(b.report, P.BASELINE, FROZEN_LR, base_t["best_beta2"] or beta2, report_seeds[:1])
+            futs = {c: pool.submit(contender, c) for c in grids}
+            for c, f in futs.items():
+                out["contenders"][c] = f.result()
+            out["frozen"] = frozen.result()
+    finally:
+        b.tuner.shutdown()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    analyse(out, args.gate_nats)
+    out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
+    return out
+
+
+def analyse(out: dict[str, Any], gate_nats: float) -> None:
+    """Gaps, token ratios and gates, in place (pure: the report can be rebuilt from the JSON)."""
+    C = out["contenders"]
+    base = C.get(P.BASELINE, {})
+    base_runs = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
+    target = base.get("mean")
+    budget = out["budget_tokens"]
+    for c, t in C.items():
+        t["gap"] = P.paired_gap({r["seed"]: r["val_loss"] for r in t.get("runs", [])}, base_runs) \
+            if c != P.BASELINE else None
+        reach = [tokens_to_reach(r.get("curve") or [], target) if P.finite(target) else None
+                 for r in t.get("runs", [])]
+        t["tokens_to_target"] = reach
+        got = [x for x in reach if x is not None]
+        t["speedup"] = (budget / (sum(got) / len(got))) if got and len(got) == len(reach) else None
+    fr = out.get("frozen") or {}
+    trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
+    frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
+    margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
+    out["gates"] = {
+        "a": {c: not t.get("edge") for c, t in C.items()},
+        "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
+              "pass": margin is not None and margin >= gate_nats},
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    s, B = report["setting"], report["budget"]
+    C = B["contenders"]
+    env = report.get("run_environment") or report.get("environment", {})
+    f = P._f
+    lines = ["# Quality at a real budget", "",
+             f"`{s['model']}` on `--data {s['data']}` ({report['train_tokens']:,} training tokens, "
+             f"{s['vocab_size']}-token BPE, sequences of {s['seq_len']}), {B['tokens_per_step']:,} tokens per "
+             f"step; budget **{B['budget_tokens']:,} tokens ({B['steps']} steps)**, tuning runs "
+             f"{B['tune_steps']} steps. {s['warmup']} warm-up then cosine to {s['min_lr_ratio']}, gradient clip "
+             f"{s['grad_clip']}, weight decay {s['weight_decay']}, precision {s['precision']}, device "
+             f"{s['device']}. Matrix-only fairness: embeddings, head, norms and biases on AdamW at lr "
+             f"{B['regular_lr']:g} for everyone; the attention and MLP matrices at each contender's matrix lr "
+             f"(alpha 1). AdamW's beta2 tuned on {report['beta2s']} (best: {B.get('adamw_best_beta2')}); every "
+             f"other contender runs at beta2 = {B.get('beta2')}"
+             + (" (fixed beforehand, **not AdamW's best**)" if B.get("beta2") != B.get("adamw_best_beta2") else "")
+             + f". Tuning seeds {B['tune_seeds']}, reporting seeds {B['report_seeds']}.",
+             "", "## Tuning (validation loss at the end of a tuning run; best in bold)", ""]
+    for c, t in C.items():
+        lrs = t.get("lrs") or B["grids"].get(c, [])
+        lines += [f"| {c} | " + " | ".join(f"lr {P.fmt_lr(x)}" for x in lrs) + " |",
+                  "|---|" + "---:|" * len(lrs)]
+        for b2, row in (t.get("grid") or {}).items():
+            cells = []
+            for lr in lrs:
+                v = row.get(P.fmt_lr(lr))
+                st = [x for x in (t.get("status") or {}).get(f"{b2}:{P.fmt_lr(lr)}", []) if x != "ok"]
+                best = lr == t.get("best_lr") and float(b2) == t.get("best_beta2")
+                cells.append(P._bold(f(v), best) if P.finite(v) else (st[0] if st else "-"))
+            lines.append(f"| beta2 {b2} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## At the budget (reporting seeds)", "",
+              "| optimizer | matrix lr | val loss (mean ± std) | Δ vs AdamW (paired) | tokens to AdamW's loss | "
+              "speedup | state MiB | per seed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c, t in C.items():
+        runs = t.get("runs", [])
+        loss = f"{t['mean']:.4f} ± {t['std']:.4f}" if P.finite(t.get("mean")) else "not run"
+        if P.finite(t.get("mean")) and t.get("n") != len(runs):
+            loss += f" (n={t['n']})"
+        gap = t.get("gap") or {}
+        delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
+        reach = t.get("tokens_to_target") or []
+        reach_s = ", ".join("not reached" if x is None else f"{x / 1e6:.1f}M" for x in reach) or "-"
+        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if reach else "-")
+        state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
+        per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
+        lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {loss} | {delta} | {reach_s} | {speed} | {state} | "
+                     f"{per_seed} |")
+    g = B.get("gates", {})
+    ga, gb = g.get("a", {}), g.get("b", {})
+    lines += ["", "## Sanity gates", "",
+              "(a) best lr inside its grid: " + (", ".join(f"{c} {'pass' if ok else '**FAIL** (edge)'}"
+                                                          for c, ok in ga.items()) or "-"),
+              f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
+              f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
+              + ("pass" if gb.get("pass") else "**FAIL**"),
+              "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
+              "extending.", "",
+              f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "
+              f"{report['threads']} thread(s). Environment: {env.get('gpu') or env.get('cpu')} "
+              f"({env.get('cpu_count')} cores), python {env.get('python')}, torch {env.get('torch')}, gwt-optim "
+              f"{env.get('gwt_optim')}, commit {env.get('git_commit')}.", f"Command: `{report['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    B = report["budget"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c, t in B["contenders"].items():
+        curves = [dict(r["curve"]) for r in t.get("runs", []) if r.get("curve")]
+        if not curves:
+            continue
+        xs = sorted(set.intersection(*(set(cv) for cv in curves)))
+        ys = [sum(cv[x] for cv in curves) / len(curves) for x in xs]
+        ax.plot([x / 1e6 for x in xs], ys, label=f"{c} (lr {t.get('best_lr'):g})")
+    fr = B.get("frozen") or {}
+    for r in fr.get("runs", []):
+        if r.get("curve"):
+            ax.plot([x / 1e6 for x, _ in r["curve"]], [y for _, y in r["curve"]], "k:", label="adamw, frozen matrices")
+    base = B["contenders"].get(P.BASELINE, {})
+    if P.finite(base.get("mean")):
+        ax.axhline(base["mean"], color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("validation loss")
+    lo = min((y for t in B["contenders"].values() for r in t.get("runs", []) for _, y in r.get("curve") or []),
+             default=None)
+    if lo is not None:
+        ax.set_ylim(lo - 0.05, lo + 1.5)
+    ax.set_title(f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds {B['report_seeds']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None, description: str) -> int:
+    import os
+
+    start = time.monotonic()
+    args = build_parser(description).parse_args(argv)
+    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text, environment
+    from gwt_optim.toolkit.train import TrainConfig
+
+    try:
+        parse_tokens(args.budget)
+        grids_of(args)
+        base = TrainConfig.from_dict({
+            "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
+            "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
+            "grad_clip": args.grad_clip, "weight_decay": args.weight_decay, "scale": 1.0,
+            "device": args.device, "precision": args.precision, "keep_last": 1}).to_dict()
+    except ValueError as exc:
+        print(f"quality.py --budget: error: {exc}", file=sys.stderr)
+        return 2
+    base = {k: v for k, v in base.items()
+            if k not in ("optimizer", "lr", "seed", "out", "progress", "batch_size", "micro_batch_size", "steps")}
+    print(f"preparing the {args.data} data (tokenizer, token cache) ...", flush=True)
+    try:
+        data = P.prepare_data(base)
+    except Exception as exc:  # noqa: BLE001 - e.g. DataUnavailable offline
+        print(f"quality.py --budget: error: cannot prepare --data {args.data}: {exc}", file=sys.stderr)
+        return 2
+    need = parse_tokens(args.budget) // args.tokens_per_step * args.tokens_per_step
+    if need > data["train_tokens"]:
+        print(f"quality.py --budget: error: {need:,} tokens is more than one epoch of {args.data} "
+              f"({data['train_tokens']:,})", file=sys.stderr)
+        return 2
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    args.threads = threads
+    env = environment()
+    if args.commit:
+        env["git_commit"] = args.commit
+    t0 = time.monotonic()
+    budget = run(args, base, data["train_windows"], start)
+    report = {"command": shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)]),
+              "environment": env, "setting": base, "train_tokens": data["train_tokens"],
+              "beta2s": P.floats(args.beta2s), "jobs": args.jobs, "threads": threads, "budget": budget,
+              "wall_s": time.monotonic() - t0}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = render(report)
+    print("\n" + md)
+    atomic_write_json(out / "budget.json", report)
+    atomic_write_text(out / "budget.md", md)
+    paths = [out / "loss-vs-tokens.png"] + ([Path(args.plot)] if args.plot else [])
+    try:
+        plot(report, paths)
+    except Exception as exc:  # noqa: BLE001 - the tables are written
+        print(f"plot failed ({type(exc).__name__}: {exc})")
+    print(f"wrote {out / 'budget.md'}, {out / 'budget.json'} and {paths[0]}")
+    done = all(t.get("n") == len(t.get("runs", [])) and t.get("runs") for t in budget["contenders"].values())
+    return 0 if done else 1
