@@ -58,6 +58,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename is None:  # a write to a full disk names no file: the user needs to know which
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -67,19 +72,39 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSON-lines file; a torn last line (a killed run) is skipped."""
+def read_jsonl(path: str | os.PathLike, *, bad: list[tuple[int, str]] | None = None) -> list[dict]:
+    """The records (JSON objects) of a JSON-lines file, every one that can be read.
+
+    A line that is not one -- the torn last line of a killed run, a line
+    damaged later -- is skipped; pass a list as ``bad`` to get each as
+    ``(line number, text)``. ``ValueError`` naming the file when it holds no
+    record and bytes that are not text: that is no JSON-lines file at all."""
+    path = Path(path)
     out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    binary = False
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                binary, record = True, None
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                out.append(record)
+            elif bad is not None:
+                bad.append((number, raw.decode("utf-8", errors="surrogateescape")))  # byte for byte
+    if binary and not out:
+        raise ValueError(f"{path}: not a JSON-lines file (binary data, no record in it)")
     return out
+
+
+def _line_numbers(bad: list[tuple[int, str]]) -> str:
+    numbers = [str(n) for n, _ in bad]
+    shown = ", ".join(numbers[:5]) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}"
 
 
 # --------------------------------------------------------------------------- #
@@ -199,10 +224,31 @@ class MetricsLog:
         self.enabled = enabled
         self._f = None
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int, *, redo_eval: bool = False) -> None:
+        """Keep the records up to ``step`` (and, with ``redo_eval``, drop the
+        validation at ``step``, which the run is about to make again).
+
+        Lines that cannot be read are appended to ``metrics.jsonl.bad`` and
+        named on stderr; every readable record around them is kept."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+        bad: list[tuple[int, str]] = []
+        keep, stepless = [], []
+        for r in read_jsonl(self.path, bad=bad):
+            at = r.get("step", 0)
+            if isinstance(at, bool) or not isinstance(at, (int, float)):
+                stepless.append(json.dumps(r) + "\n")  # an object, but no record of a step
+            elif at < step or (at == step and not (redo_eval and "val_loss" in r)):
+                keep.append(r)
+        lines = [text if text.endswith("\n") else text + "\n" for _, text in bad] + stepless
+        if lines:
+            aside = self.path.with_name(self.path.name + ".bad")
+            # Appended, so what an earlier resume set aside stays; the bytes as they were.
+            with open(aside, "a", encoding="utf-8", errors="surrogateescape") as f:
+                f.writelines(lines)
+            where = f" ({_line_numbers(bad)})" if bad else ""
+            print(f"{self.path}: {len(lines)} unreadable line{'s' if len(lines) > 1 else ''}{where} set aside in "
+                  f"{aside.name}; kept the {len(keep)} readable records up to step {step}", file=sys.stderr)
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -211,8 +257,16 @@ class MetricsLog:
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a")
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as exc:  # a full disk: what did not fit is at most a torn last line
+            f, self._f = self._f, None
+            with contextlib.suppress(OSError):
+                f.close()  # whose flush fails again
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+            raise
 
     def close(self) -> None:
         if self._f is not None:

@@ -49,15 +49,52 @@ def _shipped_path(name: str):
     return None
 
 
+# Sizes a config file may give: each a positive integer when given (null or
+# absent: the model's own default, which may be computed from the others).
+_SIZE_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_inner", "n_layer", "n_head", "n_positions",
+)
+# Sizes a file must give: transformers fills in a missing one from its defaults
+# (LLaMA's are a 7B model's) and trains something else than the file describes.
+_REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _config_file(spec: str | Path) -> Path:
+    path = Path(spec)
+    return path / "config.json" if path.is_dir() else path
+
+
+def _read_config_file(file: Path) -> dict[str, Any]:
+    """The settings of a local config file, checked as far as they can be
+    without transformers: ``ValueError`` naming the file and the setting."""
+    try:
+        config = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"--model {file}: not a model config (binary data, not JSON)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {file}: not a readable JSON file ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model {file}: a model config is a JSON object of settings, not a JSON "
+                         f"{type(config).__name__}")
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--model {file}: {key} must be a positive integer, got {value!r}")
+    return config
+
+
 def check_model_spec(spec: str | Path):
     """The shipped config ``spec`` names, or None for a local directory or
     .json file; ``FileNotFoundError`` when it is neither (without importing
-    transformers, so a typo fails before anything is loaded)."""
+    transformers, so a typo fails before anything is loaded) and ``ValueError``
+    when its config file cannot describe a model."""
     shipped = _shipped_path(str(spec))
     path = Path(spec)
     if shipped is not None:
         return shipped
     if (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".json"):
+        _read_config_file(_config_file(path))
         return None
     raise FileNotFoundError(
         f"--model {spec!r} is neither a shipped config ({', '.join(shipped_configs())}) "
@@ -65,11 +102,16 @@ def check_model_spec(spec: str | Path):
     )
 
 
+def _why(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
 def load_model_config(spec: str | Path, **overrides: Any):
     """A ``transformers`` config from a shipped name, a directory or a JSON file.
 
     ``overrides`` set config attributes (``vocab_size=...``); ``None`` values
-    are ignored.
+    are ignored. ``ValueError`` names the file of a local config that
+    transformers refuses or that leaves out a size of the model.
     """
     from transformers import AutoConfig, LlamaConfig
 
@@ -77,7 +119,18 @@ def load_model_config(spec: str | Path, **overrides: Any):
     if shipped is not None:
         config = LlamaConfig.from_dict(json.loads(shipped.read_text()))
     else:
-        config = AutoConfig.from_pretrained(Path(spec), local_files_only=True)
+        file = _config_file(spec)
+        given = _read_config_file(file)
+        try:
+            config = AutoConfig.from_pretrained(Path(spec), local_files_only=True)
+        except Exception as exc:  # transformers' checks of a user's file raise many types, none of them a bug here
+            raise ValueError(f"--model {file}: not a usable model config ({_why(exc)})") from exc
+        given = set(given) | {key for key, value in overrides.items() if value is not None}
+        missing = [name for name in _REQUIRED_SIZES
+                   if hasattr(config, name) and not {name, config.attribute_map.get(name)} & given]
+        if missing:
+            raise ValueError(f"--model {file}: it does not set {', '.join(missing)}; transformers would fill in "
+                             f"the defaults of {type(config).__name__} and train another model than the file describes")
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
@@ -128,10 +181,14 @@ def build_model(
         return model
     # KV caching only matters for generation; training never reads it.
     config.use_cache = False
-    if dtype is None and device is None:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    try:
+        if dtype is None and device is None:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        # Some combinations of sizes fail only in torch, when the layers are made.
+        raise ValueError(f"--model {spec}: no model can be built from this config ({_why(exc)})") from exc
     model.to_empty(device=device or "cpu")
     # Buffers (rotary frequencies) are recomputed too; their dtype stays as the model defines it.
     model.init_weights()

@@ -8,7 +8,10 @@ directory); runs are listed in the order given, sub-runs sorted by name.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -72,11 +75,32 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
     return runs
 
 
+def _read_json(path: Path, what: str) -> Any:
+    from gwt_optim.toolkit.errors import UsageError
+
+    try:
+        return json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a readable {what} (binary data)") from None
+    except ValueError as exc:
+        raise UsageError(f"{path}: not a readable {what} ({exc})") from None
+
+
 def load_run(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from gwt_optim.toolkit.errors import UsageError
     from gwt_optim.toolkit.metrics import read_jsonl
 
-    summary = json.loads((run / "summary.json").read_text())
-    metrics = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    summary = _read_json(run / "summary.json", "summary")
+    if not isinstance(summary, dict):
+        raise UsageError(f"{run / 'summary.json'}: not a run's summary (a JSON object)")
+    metrics: list[dict[str, Any]] = []
+    if (run / "metrics.jsonl").is_file():
+        bad: list[tuple[int, str]] = []
+        metrics = read_jsonl(run / "metrics.jsonl", bad=bad)
+        if bad:  # a report reads and never rewrites: said, not set aside
+            print(f"warning: {run / 'metrics.jsonl'}: skipped {len(bad)} unreadable line"
+                  f"{'s' if len(bad) > 1 else ''} ({', '.join(str(n) for n, _ in bad[:5])}"
+                  f"{', ...' if len(bad) > 5 else ''})", file=sys.stderr)
     return summary, metrics
 
 
@@ -84,7 +108,13 @@ def _environment_line(run: Path) -> str:
     path = run / "environment.json"
     if not path.is_file():
         return ""
-    env = json.loads(path.read_text())
+    try:
+        env = _read_json(path, "environment.json")
+    except ValueError as exc:  # only the hardware line needs it
+        print(f"warning: {exc}; the report leaves out the hardware line", file=sys.stderr)
+        return ""
+    if not isinstance(env, dict):
+        return ""
     device = env.get("gpu") or f"{env.get('cpu')} ({env.get('cpu_count')} cores)"
     device += f", torch threads {env.get('torch_threads')}"
     return (
@@ -136,9 +166,18 @@ def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimiz
 
 
 def _run(args: argparse.Namespace) -> int:
+    from gwt_optim.toolkit.errors import UsageError
+
     runs = find_runs(args.runs)
     out = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 else Path("."))
-    paths = write_report(runs, out)
+    try:
+        paths = write_report(runs, out)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise UsageError(f"cannot write the report in {out}{where}: {os.strerror(exc.errno).lower()}; "
+                         "write it elsewhere with --out FOLDER") from None
     print(paths["markdown"])
     print(f"\ntable: {paths['table']}\nplots: {paths['val_loss']}, {paths['memory']}")
     return 0

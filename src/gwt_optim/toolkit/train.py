@@ -134,8 +134,10 @@ class TrainConfig:
                 bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
                 raise UsageError(f"{flag} must be {kind} {bound}, got {value!r}")
 
-        for name in ("steps", "seq_len", "batch_size", "eval_batch_size", "val_tokens", "vocab_size"):
+        for name in ("steps", "seq_len", "batch_size", "eval_batch_size", "val_tokens"):
             number(name, getattr(self, name), minimum=1, integer=True)
+        # A byte-level BPE starts from its 256 bytes and 3 special tokens; it cannot be smaller.
+        number("vocab_size", self.vocab_size, minimum=259, integer=True)
         for name in ("eval_every", "save_every", "keep_last", "timing_warmup"):
             number(name, getattr(self, name), minimum=0, integer=True)
         if self.micro_batch_size is not None:
@@ -385,46 +387,54 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
     return run
 
 
-def _load_resume_state(run: Path, cfg: TrainConfig, dctx) -> tuple[Path | None, dict[str, Any] | None]:
-    """The newest checkpoint every rank can read and its payload.
+def _load_resume_state(run: Path, cfg: TrainConfig, dctx, restore) -> tuple[Path | None, int]:
+    """Put in place the newest checkpoint every rank can read and use
+    (``restore(payload)`` loads it and returns its step); that checkpoint and step.
 
-    A checkpoint damaged after it was written (a truncated copy, a full disk
-    elsewhere) is set aside as ``unreadable-step_N`` and the previous one is
-    used, with a message: losing some steps beats refusing to resume."""
+    A checkpoint damaged after it was written (a truncated copy, a file of
+    text, a payload that does not fit the run) is set aside as
+    ``unreadable-step_N`` once an older one is in place, with one line each:
+    losing some steps beats refusing to resume. When none can be used, none is
+    moved: the cause may be outside them (the data changed), and they stay
+    where a fix would look for them."""
     from gwt_optim.toolkit import checkpoint as ckpt
     from gwt_optim.toolkit.distributed import all_reduce
     from gwt_optim.toolkit.errors import UsageError
 
     candidates = list(reversed(ckpt.list_checkpoints(run)))
-    why = ""
+    failed: list[tuple[Path, str]] = []
     for path in candidates:
         try:
-            state = ckpt.load_checkpoint(path, rank=dctx.rank, world_size=dctx.world_size)
-        except ckpt.CheckpointUnreadable as exc:
-            state, why = None, str(exc)
-        ok = torch.tensor([1.0 if state is not None else 0.0], device=dctx.device)
-        all_reduce(ok, dctx, op=torch.distributed.ReduceOp.MIN)
-        if ok.item() == 1.0:
-            if path != candidates[0] and dctx.is_main:
-                print(f"--resume: resuming from the previous checkpoint, {path}", file=sys.stderr)
             meant = ckpt.read_meta(path).get("optimizer")
             if meant is not None and meant != cfg.optimizer:
                 raise UsageError(f"--resume: {path} is a checkpoint of --optimizer {meant!r}, not {cfg.optimizer!r}")
-            return path, state
-        del state
-        dctx.barrier()
-        if dctx.is_main:
-            aside = path.with_name("unreadable-" + path.name)
-            n = 1
+            step, why = restore(ckpt.load_checkpoint(path, rank=dctx.rank, world_size=dctx.world_size)), ""
+        except ckpt.CheckpointUnreadable as exc:
+            step, why = None, str(exc)
+        ok = torch.tensor([1.0 if step is not None else 0.0], device=dctx.device)
+        all_reduce(ok, dctx, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() == 1.0:
+            break
+        failed.append((path, why or "another rank could not use it"))
+    else:
+        if candidates:
+            newest, why = failed[0]
+            raise UsageError(f"--resume: no readable checkpoint in {run / ckpt.CHECKPOINT_DIR} "
+                             f"(the newest, {newest.name}: {why})")
+        return None, 0
+    dctx.barrier()
+    if dctx.is_main:
+        for n, (bad, why) in enumerate(failed, 1):
+            aside = bad.with_name("unreadable-" + bad.name)
+            k = 1
             while aside.exists():
-                n += 1
-                aside = path.with_name(f"unreadable{n}-{path.name}")
-            os.replace(path, aside)
-            print(f"--resume: {path.name} is unreadable ({why}); moved it to {aside.name}", file=sys.stderr)
-        dctx.barrier()
-    if candidates:
-        raise UsageError(f"--resume: no readable checkpoint in {run / ckpt.CHECKPOINT_DIR} (last error: {why})")
-    return None, None
+                k += 1
+                aside = bad.with_name(f"unreadable{k}-{bad.name}")
+            os.replace(bad, aside)
+            then = f"; resuming from the previous checkpoint, {path.name}" if n == len(failed) else ""
+            print(f"--resume: {bad.name} is unreadable ({why}); moved it to {aside.name}{then}", file=sys.stderr)
+    dctx.barrier()
+    return path, step
 
 
 def _use_schedule(scheduler, schedule: "WarmupCosine") -> None:
@@ -550,23 +560,19 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     n_warmup = warmup_steps(cfg.warmup, cfg.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
 
-    start_step = 0
-    last_ckpt, state = _load_resume_state(run, cfg, dctx) if cfg.resume else (None, None)
+    def restore(state: dict[str, Any]) -> int:
+        return ckpt.restore_training_state(state, model=unwrap(model), optimizer=optimizer, scheduler=scheduler,
+                                           data=data.train)
+
+    last_ckpt, start_step = _load_resume_state(run, cfg, dctx, restore) if cfg.resume else (None, 0)
     if cfg.resume and last_ckpt is None and dctx.is_main:
         print(f"--resume: no checkpoint in {run}; starting from step 0")
-    if state is not None:
-        start_step = int(state["step"])
+    if last_ckpt is not None:
         if start_step > cfg.steps:
             from gwt_optim.toolkit.errors import UsageError
 
             raise UsageError(f"--steps {cfg.steps} is below step {start_step} of the checkpoint {last_ckpt}")
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         _use_schedule(scheduler, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
-        data.train.load_state_dict(state["data"])
-        ckpt.set_rng_state(state["rng"])
-        del state
 
     if dctx.is_main:
         atomic_write_json(run / "config.json", cfg.to_dict())
@@ -576,7 +582,8 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
         atomic_write_json(run / "environment.json", env)
     log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
     if dctx.is_main and last_ckpt is not None:
-        log.truncate_after(start_step)  # drop the records of steps this run will redo
+        # Drop the records of steps this run will redo, and the final validation of a finished run it redoes.
+        log.truncate_after(start_step, redo_eval=start_step == cfg.steps)
     elif dctx.is_main:
         (run / "metrics.jsonl").unlink(missing_ok=True)
 
