@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # Order is the order shown by --help.
@@ -54,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run_command(args.command, args.func, args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)  # training's Stopped says which signal
+        print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
+              file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":  # pragma: no cover

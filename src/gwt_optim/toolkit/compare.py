@@ -19,20 +19,27 @@ continue from their checkpoints) or ``--overwrite`` (the earlier run folders
 are moved to ``OUT/replaced-TIMESTAMP/`` and every run starts afresh).
 Everything a run prints -- its errors, third-party warnings -- goes to its
 ``log.txt``; the console shows one progress bar per run and the table.
+
+One ``compare`` writes a folder at a time (it locks ``--out``, and each run
+locks its own folder). Ctrl-C or SIGTERM is passed on to the run in progress,
+which stops at its next step and saves before ``compare`` exits; if
+``compare`` itself is killed (SIGKILL), Linux sends the run SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["register", "run_compare", "run_dir_name"]
 
@@ -65,7 +72,7 @@ def _same_config(run: Path, config: dict[str, Any]) -> bool:
         done = json.loads((run / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    ignore = {"resume", "progress"}
+    ignore = {"resume", "progress", "dist_timeout"}
     return {k: v for k, v in done.items() if k not in ignore} == {
         k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignore
     }
@@ -77,7 +84,9 @@ _PRE_RUN_FILES = {"requested_config.json", "log.txt"}
 
 
 def _holds_files(run: Path) -> bool:
-    return run.is_dir() and any(p.name not in _PRE_RUN_FILES for p in run.iterdir())
+    from gwt_optim.toolkit.train import LOCK_FILE
+
+    return run.is_dir() and any(p.name not in _PRE_RUN_FILES | {LOCK_FILE} for p in run.iterdir())
 
 
 def _check_existing(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: argparse.Namespace) -> None:
@@ -175,18 +184,49 @@ def _last_error(log: Path) -> str:
     return "\n".join(lines[-5:])
 
 
+def _end_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux send the child SIGTERM when this process
+    ends, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so a run never
+    outlives ``compare`` as a second writer; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # Resolved here, not in the child: between fork and exec only the call itself is safe.
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent, pr_set_pdeathsig, sigterm = os.getpid(), 1, int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody would send it
+            os.kill(os.getpid(), sigterm)
+
+    return preexec
+
+
+def _signal_child(proc: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+        os.killpg(proc.pid, signum)
+
+
 def _train_one(cmd: list[str], run: Path, total: int, desc: str, show: bool) -> int:
     """Run ``cmd`` with its output in ``run/log.txt`` and a progress bar here.
 
     The child gets its own session, so a Ctrl-C at the terminal reaches only
     this process, which passes exactly one SIGINT on: the run then stops at a
-    step boundary and saves (a second Ctrl-C passes a second one: quit now)."""
+    step boundary and saves (a second Ctrl-C passes a second one: quit now).
+    A SIGTERM here (:class:`~gwt_optim.toolkit.train.Stopped`) is passed on the
+    same way, and this waits until the run has saved."""
     from tqdm.auto import tqdm
 
     follower = _MetricsFollower(run / "metrics.jsonl")
     with open(run / "log.txt", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_end_with_parent())
         bar = tqdm(total=total, desc=desc, unit="step", disable=not show, dynamic_ncols=True, leave=False)
         try:
             while True:
@@ -200,15 +240,18 @@ def _train_one(cmd: list[str], run: Path, total: int, desc: str, show: bool) -> 
                     bar.set_postfix(follower.post, refresh=False)
                 if rc is not None:
                     return rc
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             bar.close()
-            print(f"\nstopping {desc} at its next step to save it (Ctrl-C again to stop it at once)", file=sys.stderr)
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait()
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait()
+            signum = getattr(stop, "signum", signal.SIGINT)
+            again = " (Ctrl-C again to stop it at once)" if signum == signal.SIGINT else ""
+            print(f"\nstopping {desc} at its next step to save it{again}", file=sys.stderr)
+            _signal_child(proc, signum)
+            while True:
+                try:
+                    proc.wait()
+                    break
+                except KeyboardInterrupt as more:
+                    _signal_child(proc, getattr(more, "signum", signal.SIGINT))
             raise
         finally:
             bar.close()
@@ -218,7 +261,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
     from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, paper_optimizers
     from gwt_optim.toolkit.registry import validate_optimizer_spec
-    from gwt_optim.toolkit.report import write_report
+    from gwt_optim.toolkit.train import lock_run_dir
 
     if args.list:
         return _list_optimizers()
@@ -237,15 +280,46 @@ def run_compare(args: argparse.Namespace) -> int:
         run = out / run_dir_name(i, spec)
         plan.append((spec, run, {**base.to_dict(), "optimizer": spec, "out": str(run), "resume": args.resume,
                                  "progress": False}))  # the bar is drawn here, from metrics.jsonl
-    _check_existing(plan, out, args)
     out.mkdir(parents=True, exist_ok=True)
+    with lock_run_dir(out), _sigterm_stops():
+        for _, run, _ in plan:  # a run of a compare that was killed may still be saving
+            if run.is_dir():
+                with lock_run_dir(run):
+                    pass
+        _check_existing(plan, out, args)
+        return _run_plan(plan, out, args, base)
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    """SIGTERM raises :class:`~gwt_optim.toolkit.train.Stopped` here, as Ctrl-C
+    raises ``KeyboardInterrupt``, so the run in progress is told and waited for."""
+    from gwt_optim.toolkit.train import Stopped
+
+    def handle(signum, frame):
+        raise Stopped(signum)
+
+    mine = threading.current_thread() is threading.main_thread()
+    mine = mine and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGTERM, handle) if mine else None
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_plan(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: argparse.Namespace, base: Any) -> int:
+    """Train what ``plan`` still needs, then write the report (``out`` locked by the caller)."""
+    from gwt_optim.toolkit.report import write_report
+
     if args.overwrite:
         earlier = [run for _, run, _ in plan if _holds_files(run)]
         if earlier:
             print(f"moved {len(earlier)} earlier run folder(s) to {_move_aside(earlier, out)}")
     finished, failed = [], []
     for i, (spec, run, config) in enumerate(plan):
-        tag = f"[{i + 1}/{len(specs)}] {spec}"
+        tag = f"[{i + 1}/{len(plan)}] {spec}"
         if args.resume and _same_config(run, config) and (run / "summary.json").is_file():
             print(f"{tag}: finished earlier, reusing {run}")
             finished.append(run)
@@ -276,9 +350,18 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_label(spec: str) -> str:
+    """``gwt-adamw:level=2`` for the recipe's ``gwt-adamw:level=2:lr=3e-4:regular_lr=3e-3``."""
+    name, *options = spec.split(":")
+    return ":".join([name, *(o for o in options if o.split("=")[0] not in ("lr", "regular_lr"))])
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from gwt_optim.toolkit import recipes
     from gwt_optim.toolkit.pretrain import add_training_arguments
 
+    # From the recipe itself, so the help cannot describe an older demo.
+    demo = ", ".join(_demo_label(spec) for spec in recipes.DEMO_OPTIMIZERS)
     p = subparsers.add_parser(
         "compare",
         help="the main job: train several optimizers in the same setting, print the table, plot",
@@ -287,8 +370,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "count (one pretrain process each), then print a markdown table of validation loss and "
             "perplexity, measured optimizer-state memory, peak process memory, ms/step and tokens/s, and "
             "write compare.md, compare.json, val_loss.png and memory_vs_ppl.png under --out. Without flags: "
-            "the CPU demo (a small LLaMA on the bundled corpus; AdamW, GWT-AdamW levels 1-3, GaLore, "
-            "8-bit Adam; about 10 minutes on 2 cores). --paper SIZE: the paper's C4 comparison (GPUs)."
+            f"the CPU demo (a small LLaMA on the bundled corpus; {demo}; each at its own matrix lr, the rest "
+            "of the model on AdamW; about 10 minutes on 2 cores). --paper SIZE: the paper's C4 comparison (GPUs)."
         ),
     )
     p.add_argument("--optimizers", help="comma-separated entries 'name' or 'name:key=value:...', e.g. "

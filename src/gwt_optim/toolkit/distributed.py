@@ -19,6 +19,13 @@ identical everywhere, so checkpoints store it once) and trains on its own
 slice of it: one process with batch B and N processes with B/N each see the
 same sequences per step and, the losses being per-token means of equal-size
 slices, the same averaged gradient.
+
+A rank that stops answering (SIGSTOP, a dead host, a hung GPU) leaves the
+others waiting in their next collective until the process-group timeout
+(``pretrain --dist-timeout``); then they fail and torchrun ends the job.
+torch's default of 30 minutes is meant for long NCCL checkpoints and
+compiles; on CPU (gloo) steps, evaluations and saves take seconds, so 5
+minutes is the default there.
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistContext", "init_distributed", "wrap_model", "unwrap", "shard_rows", "all_reduce"]
+__all__ = [
+    "DistContext", "init_distributed", "wrap_model", "unwrap", "shard_rows", "all_reduce", "DEFAULT_TIMEOUT_S",
+]
+
+# Seconds a rank waits for the others in a collective, per backend, when --dist-timeout is not given.
+DEFAULT_TIMEOUT_S = {"gloo": 300.0, "nccl": 1800.0}
 
 
 @dataclass
@@ -70,15 +82,17 @@ def _pick_device(preference: str, local_rank: int) -> torch.device:
         raise UsageError(f"--device {preference!r}: use auto, cpu or cuda") from None
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1)."""
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistContext:
+    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1); a
+    collective fails after ``timeout_s`` seconds (None: :data:`DEFAULT_TIMEOUT_S`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        seconds = DEFAULT_TIMEOUT_S[backend] if timeout_s is None else timeout_s
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
     return DistContext(rank=rank, world_size=world, local_rank=local, device=dev)
 
 

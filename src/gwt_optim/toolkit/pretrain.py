@@ -76,6 +76,9 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
                    help="step each parameter inside backward and free its gradient at once (one process; no "
                    "gradient accumulation, no --grad-clip)")
     g.add_argument("--device", default=S, help="auto (default), cpu, cuda")
+    g.add_argument("--dist-timeout", type=float, metavar="SECONDS", default=S,
+                   help="under torchrun: how long a rank waits for the others (a stopped or dead rank) before the "
+                   "run fails (default: 300 on CPU/gloo, 1800 on GPUs/NCCL)")
     g.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     g.add_argument("--paper", metavar="SIZE", help="the paper's C4 recipe for LLaMA SIZE: 60m, 130m, 350m, 1b (GPUs)")
     g.add_argument("--config", metavar="FILE", help="start from a run's config.json; flags given override it")
@@ -164,7 +167,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", default=argparse.SUPPRESS,
                    help="continue the run in --out from its latest checkpoint, exactly where it stopped, with "
                    "the run's own config.json; only --steps, --eval-every, --eval-batch-size, --save-every, "
-                   "--keep-last, --micro-batch-size, --device and progress flags may change. A new --steps "
-                   "rebuilds the warm-up/cosine schedule for the new total (steps already taken keep their lr)")
+                   "--keep-last, --micro-batch-size, --device, --dist-timeout and progress flags may change. A "
+                   "new --steps rebuilds the warm-up/cosine schedule for the new total (steps already taken keep "
+                   "their lr)")
     add_training_arguments(p, single_optimizer=True)
     p.set_defaults(func=run_pretrain)

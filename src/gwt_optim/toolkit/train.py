@@ -21,10 +21,12 @@ the run's own settings; only :data:`RESUME_MAY_CHANGE` may differ. A new
 ``steps`` rebuilds the schedule for the new total: the steps already taken
 keep the learning rates they had, the rest follow the new warm-up/cosine.
 
-Ctrl-C (SIGINT) asks the loop to stop at the next step boundary, where the
-weights, optimizer, schedule and data position agree; that state is saved and
-``--resume`` continues bit for bit. A second Ctrl-C quits at once, saving
-nothing (the last checkpoint stays).
+Ctrl-C (SIGINT) or SIGTERM (torchrun, Slurm, Kubernetes) asks the loop to
+stop at the next step boundary, where the weights, optimizer, schedule and
+data position agree; that state is saved and ``--resume`` continues bit for
+bit. All ranks stop at the same step. A second Ctrl-C quits at once, saving
+nothing (the last checkpoint stays). One process writes a run folder at a
+time (:func:`lock_run_dir`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ __all__ = [
     "PRECISIONS",
     "RESUME_MAY_CHANGE",
     "resume_conflicts",
+    "Stopped",
+    "LOCK_FILE",
+    "lock_run_dir",
 ]
 
 
@@ -95,13 +100,14 @@ class TrainConfig:
     val_tokens: int = 16384
     eval_batch_size: int = 16
     seed: int = 0
-    save_every: int = 0  # 0: checkpoint only at the end (and on Ctrl-C)
+    save_every: int = 0  # 0: checkpoint only at the end (and on Ctrl-C or SIGTERM)
     keep_last: int = 2
     resume: bool = False
     fsdp: bool = False
     gradient_checkpointing: bool = False  # recompute layer activations in backward (HF's switch)
     step_in_backward: bool = False  # step each parameter inside backward (gwt_optim.step_in_backward)
     device: str = "auto"
+    dist_timeout: float | None = None  # seconds a rank waits in a collective; None: 300 on gloo, 1800 on NCCL
     progress: bool = True
     timing_warmup: int = 3  # steps left out of ms/step and tokens/s
 
@@ -149,6 +155,8 @@ class TrainConfig:
         number("eps", self.eps, minimum=0, integer=False)
         if self.grad_clip is not None:
             number("grad_clip", self.grad_clip, minimum=0, integer=False, strict=True)
+        if self.dist_timeout is not None:
+            number("dist_timeout", self.dist_timeout, minimum=0, integer=False, strict=True)
         if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
             raise UsageError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio!r}")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
@@ -170,7 +178,7 @@ class TrainConfig:
 # trajectory, and a different value would silently splice two runs together.
 RESUME_MAY_CHANGE = frozenset({
     "out", "resume", "steps", "eval_every", "eval_batch_size", "save_every", "keep_last", "progress",
-    "timing_warmup", "device", "micro_batch_size",
+    "timing_warmup", "device", "micro_batch_size", "dist_timeout",
 })
 
 
@@ -351,14 +359,68 @@ def _current_lr(optimizer: torch.optim.Optimizer) -> float:
 _RUN_FILES = ("summary.json", "metrics.jsonl", "config.json")
 
 
-def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
-    """The run folder, checked on every rank (they share it) so they all fail alike."""
+LOCK_FILE = ".writer.lock"
+
+
+@contextlib.contextmanager
+def lock_run_dir(folder: Path):
+    """Be the only writer of ``folder`` until the block ends: an exclusive
+    ``flock`` on its :data:`LOCK_FILE`, which the kernel releases when the
+    process dies however it dies, so a crash never leaves a stale lock.
+
+    Raises :class:`~gwt_optim.toolkit.errors.UsageError` naming the holder's pid
+    when another process holds it. Where ``flock`` is missing (not POSIX) or
+    refused (some network file systems), a warning says the folder is unguarded.
+    """
+    import socket
+
+    from gwt_optim.toolkit.errors import UsageError
+
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            if fcntl is None:
+                raise OSError("no fcntl on this platform")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, host = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
+            where = f" on {host}" if host and host != socket.gethostname() else ""
+            raise UsageError(
+                f"{folder} is in use by another gwt-optim process (pid {pid or '?'}{where}); wait for it to end or "
+                "stop it (it saves on Ctrl-C or SIGTERM), or choose another --out"
+            ) from None
+        except OSError as exc:
+            print(f"warning: cannot lock {folder} ({exc}); make sure no other run writes to it", file=sys.stderr)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack) -> Path:
+    """The run folder, checked on every rank (they share it) so they all fail alike;
+    rank 0 holds its lock (:func:`lock_run_dir`) in ``held``, before anything reads
+    or writes in it."""
     from gwt_optim.toolkit.checkpoint import list_checkpoints
     from gwt_optim.toolkit.errors import UsageError
 
     run = Path(cfg.out)
     if run.exists() and not run.is_dir():
         raise UsageError(f"--out {run} is a file, not a folder")
+    if is_main:
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UsageError(f"--out {run}: a file is in the way of that folder") from None
+        if not os.access(run, os.W_OK):
+            raise PermissionError(13, "permission denied", str(run))
+        held.enter_context(lock_run_dir(run))
     if not cfg.resume and (list_checkpoints(run) or any((run / f).is_file() for f in _RUN_FILES)):
         raise FileExistsError(
             f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
@@ -377,13 +439,6 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool) -> Path:
                 f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_MAY_CHANGE - {'out', 'resume'}))} "
                 "may change on resume; start a new run with another --out"
             )
-    if is_main:
-        try:
-            run.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise UsageError(f"--out {run}: a file is in the way of that folder") from None
-        if not os.access(run, os.W_OK):
-            raise PermissionError(13, "permission denied", str(run))
     return run
 
 
@@ -449,33 +504,65 @@ def _use_schedule(scheduler, schedule: "WarmupCosine") -> None:
     scheduler._last_lr = lrs
 
 
-class _StopOnSigint:
-    """Ctrl-C while training: the first one asks the loop to stop at the next
-    step boundary (``requested``); a second one raises ``KeyboardInterrupt`` at
-    once. Only the main thread can own a signal handler; elsewhere, or when
-    SIGINT is ignored (a background job), nothing is installed."""
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal (``signum``: SIGINT or SIGTERM), after saving
+    unless a second Ctrl-C quit at once; the CLI exits with ``128 + signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+class _StopOnSignal:
+    """SIGINT (Ctrl-C) or SIGTERM (torchrun, Slurm, Kubernetes, ``compare``)
+    while training: the first asks the loop to stop at the next step boundary
+    (``requested``), where it saves. A second Ctrl-C raises ``KeyboardInterrupt``
+    at once; a repeated SIGTERM, or any repeat under torchrun, changes nothing:
+    launchers deliver the same request twice (Slurm signals every process of a
+    job and torchrun forwards its own copy) and end a worker that outlasts
+    their grace period with SIGKILL themselves. Only the main thread can own a
+    signal handler; elsewhere, or for a signal that is ignored (SIGINT in a
+    background job), nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
+        from torch.distributed import is_torchelastic_launched
+
         self.requested = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        self._torchrun = is_torchelastic_launched()
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            if signum == signal.SIGINT and not self._torchrun:
+                raise KeyboardInterrupt
+            return
+        self.requested, self.signum = True, signum
+        if signum == signal.SIGINT and not self._torchrun:
+            note = b"Ctrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without saving)"
+        else:
+            note = signal.Signals(signum).name.encode() + b": stopping after this step to save a checkpoint"
         # os.write, not print: a handler that prints while the loop prints can raise a reentrant-call error.
         with contextlib.suppress(OSError):
-            os.write(2, b"\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without saving)\n")
+            os.write(2, b"\n" + note + b"\n")
 
-    def __enter__(self) -> "_StopOnSigint":
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+    def stopped(self) -> Stopped:
+        # A rank that got no signal itself was stopped by its peers: a job being terminated.
+        return Stopped(self.signum or signal.SIGTERM)
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
 
 
 def _quiet_import_noise() -> None:
@@ -494,9 +581,16 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
     Raises :class:`NonFiniteLossError` when the loss stops being finite.
-    On ``KeyboardInterrupt`` a checkpoint of the last finished step is saved
-    first, so ``--resume`` continues exactly from there.
+    On ``KeyboardInterrupt`` (a SIGINT or SIGTERM stops at the next step
+    boundary and raises :class:`Stopped`) a checkpoint of the last finished
+    step is saved first, so ``--resume`` continues exactly from there. The run
+    folder is locked against a second writer until this returns or raises.
     """
+    with contextlib.ExitStack() as held:
+        return _train(cfg, callbacks, held)
+
+
+def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from gwt_optim.toolkit import checkpoint as ckpt
@@ -516,9 +610,9 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     _quiet_import_noise()
     cfg.validate()
     callbacks = list(callbacks)
-    dctx = init_distributed(cfg.device)
+    dctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout)
     device = dctx.device
-    run = _prepare_run_dir(cfg, dctx.is_main)
+    run = _prepare_run_dir(cfg, dctx.is_main, held)
     dctx.barrier()
 
     per_rank = cfg.batch_size // dctx.world_size
@@ -624,7 +718,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     # True from drawing a batch until its step is applied and logged: a
     # checkpoint taken then would pair the new data position with old weights.
     in_step = False
-    with _StopOnSigint() as sigint:
+    with _StopOnSignal() as sigint:
         try:
             while step < cfg.steps:
                 for cb in callbacks:
@@ -632,7 +726,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
                 in_step = True
                 batch = shard_rows(data.train.next(cfg.batch_size), dctx)
                 # [loss, stop]: the stop request rides on the loss all-reduce, so every rank
-                # learns of a Ctrl-C that reached any of them at the same step, for free.
+                # learns of a Ctrl-C or SIGTERM that reached any of them at the same step, for free.
                 reduced = torch.zeros(2, dtype=torch.float64, device=device)
                 with meter.step(tokens_per_step):
                     for i in range(accum):
@@ -674,15 +768,16 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
                 for cb in callbacks:
                     cb.on_step_end(step, record)
+                # Before this step's evaluation: a launcher's grace period (torchrun's 30 s) may not
+                # cover one. One process reads its own flag, which may have been set after the reduction.
+                if (stop if dctx.distributed else sigint.requested) and step < cfg.steps:
+                    raise sigint.stopped()
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                     val_loss = run_eval(step)
                     if dctx.is_main:
                         bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
                 if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
                     save(step)
-                # One process reads its own flag, which may have been set after the reduction.
-                if (stop if dctx.distributed else sigint.requested) and step < cfg.steps:
-                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             if in_step:
                 if dctx.is_main:
@@ -699,7 +794,7 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
             bar.close()
             log.close()
 
-        # A Ctrl-C from here on waits for the finished run to be evaluated and saved.
+        # A signal from here on waits for the finished run to be evaluated and saved.
         val_loss = run_eval(step)
         # Bytes are measured after training, when every state tensor exists.
         sbytes = torch.tensor([state_bytes(optimizer)], dtype=torch.float64, device=device)
