@@ -154,6 +154,15 @@ def tokens_to_reach(curve: Sequence[tuple[int, float]], target: float) -> float 
     return None
 
 
+def mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+    """The validation curve averaged over seeds, at the token counts every seed validated at."""
+    curves = [dict(r["curve"]) for r in runs if r.get("curve")]
+    if not curves or len(curves) != len(runs):
+        return []
+    xs = sorted(set.intersection(*(set(c) for c in curves)))
+    return [(x, sum(c[x] for c in curves) / len(curves)) for x in xs]
+
+
 class Budget:
     """The three stages on one shared pool of ``jobs`` processes."""
 
@@ -285,11 +294,11 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     for c, t in C.items():
         t["gap"] = P.paired_gap({r["seed"]: r["val_loss"] for r in t.get("runs", [])}, base_runs) \
             if c != P.BASELINE else None
-        reach = [tokens_to_reach(r.get("curve") or [], target) if P.finite(target) else None
-                 for r in t.get("runs", [])]
+        # On the seed-mean curve: AdamW's own then reaches its (mean) final loss exactly at the budget.
+        curve = mean_curve(t.get("runs", []))
+        reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
         t["tokens_to_target"] = reach
-        got = [x for x in reach if x is not None]
-        t["speedup"] = (budget / (sum(got) / len(got))) if got and len(got) == len(reach) else None
+        t["speedup"] = budget / reach if reach else None
     fr = out.get("frozen") or {}
     trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
@@ -333,7 +342,7 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"| beta2 {b2} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## At the budget (reporting seeds)", "",
-              "| optimizer | matrix lr | val loss (mean ± std) | Δ vs AdamW (paired) | tokens to AdamW's loss | "
+              "| optimizer | matrix lr | val loss (mean ± std) | Δ vs AdamW (paired) | tokens to AdamW's loss (seed mean) | "
               "speedup | state MiB | per seed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for c, t in C.items():
         runs = t.get("runs", [])
@@ -342,9 +351,9 @@ def render(report: dict[str, Any]) -> str:
             loss += f" (n={t['n']})"
         gap = t.get("gap") or {}
         delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
-        reach = t.get("tokens_to_target") or []
-        reach_s = ", ".join("not reached" if x is None else f"{x / 1e6:.1f}M" for x in reach) or "-"
-        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if reach else "-")
+        reach = t.get("tokens_to_target")
+        reach_s = f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if runs else "-")
+        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if runs else "-")
         state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
         per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
         lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {loss} | {delta} | {reach_s} | {speed} | {state} | "
@@ -375,12 +384,9 @@ def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
     B = report["budget"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for c, t in B["contenders"].items():
-        curves = [dict(r["curve"]) for r in t.get("runs", []) if r.get("curve")]
-        if not curves:
-            continue
-        xs = sorted(set.intersection(*(set(cv) for cv in curves)))
-        ys = [sum(cv[x] for cv in curves) / len(curves) for x in xs]
-        ax.plot([x / 1e6 for x in xs], ys, label=f"{c} (lr {t.get('best_lr'):g})")
+        curve = mean_curve(t.get("runs", []))
+        if curve:
+            ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], label=f"{c} (lr {t.get('best_lr'):g})")
     fr = B.get("frozen") or {}
     for r in fr.get("runs", []):
         if r.get("curve"):

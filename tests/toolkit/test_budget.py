@@ -1,0 +1,202 @@
+"""Quality at a real budget (issue 18): the ``pysrc`` corpus builder on local
+sdists, its offline failure, the beta1/beta2 spec options, the budget mode's
+pure logic, and one smoke budget end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("_budget", ROOT / "benchmarks" / "_budget.py")
+B = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = B
+_spec.loader.exec_module(B)
+
+
+# ----------------------------------------------------------------------------- the corpus
+
+
+def _sdist(folder: Path, name: str, files: dict[str, str]) -> Path:
+    path = folder / f"{name}-1.0.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for rel, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{name}-1.0/{rel}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def sdists(tmp_path, monkeypatch):
+    monkeypatch.setenv("GWT_OPTIM_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "index"
+    src.mkdir()
+    body = "def f(x):\n    '''Return x, doubled, for the test corpus.'''\n    return 2 * x\n"
+    files_a = {f"pkg/mod{i}.py": body + f"# module {i}\n" for i in range(200)}
+    files_a.update({"LICENSE.txt": "the same licence text in both packages " * 4,
+                    "docs/intro.rst": "Introduction\n============\n\nSome prose about the package. " * 5,
+                    "pkg/data.bin.py": "x = '\0'\n" * 20, "pkg/tiny.py": "x = 1\n",
+                    "pkg/image.png": "not text"})
+    files_b = {f"lib/m{i}.py": body + f"# other {i}\n" for i in range(100)}
+    files_b["LICENSE.txt"] = files_a["LICENSE.txt"]
+    paths = {"a": _sdist(src, "a", files_a), "b": _sdist(src, "b", files_b)}
+    from gwt_optim.toolkit.data import pysrc
+
+    pinned = (pysrc.Sdist("a", "1.0", _sha(paths["a"])), pysrc.Sdist("b", "1.0", _sha(paths["b"])))
+
+    def download(sd, dest):
+        target = dest / paths[sd.name].name
+        target.write_bytes(paths[sd.name].read_bytes())
+        return target
+
+    return pysrc, pinned, download
+
+
+def test_the_corpus_is_split_by_source_file_and_deduplicated(sdists):
+    pysrc, pinned, download = sdists
+    folder = pysrc.build(pinned, download=download, progress=False)
+    rows = {s: [json.loads(line) for line in (folder / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "validation")}
+    train_src = {r["source"] for r in rows["train"]}
+    val_src = {r["source"] for r in rows["validation"]}
+    assert rows["validation"] and not train_src & val_src  # no validation document shares a source file
+    assert all(pysrc.in_validation(s) for s in val_src) and not any(pysrc.in_validation(s) for s in train_src)
+    texts = [r["text"] for s in rows for r in rows[s]]
+    assert len(texts) == len(set(texts))  # the shared licence is kept once
+    assert not any(s.endswith(("tiny.py", "data.bin.py", ".png")) for s in train_src | val_src)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["documents"] == {"train": len(rows["train"]), "validation": len(rows["validation"])}
+    assert [s["sha256"] for s in manifest["sdists"]] == [p.sha256 for p in pinned]
+    # built once: a second call downloads nothing
+    assert pysrc.build(pinned, download=lambda *a: pytest.fail("downloaded again"), progress=False) == folder
+
+
+def test_a_checksum_mismatch_is_refused_and_leaves_nothing(sdists):
+    pysrc, pinned, download = sdists
+    bad = (pinned[0], pysrc.Sdist("b", "1.0", "0" * 64))
+    with pytest.raises(ValueError, match="expected 0000"):
+        pysrc.build(bad, download=download, progress=False)
+    assert not pysrc.corpus_dir(bad).exists()
+    assert not any(p.name.startswith(".pysrc") for p in pysrc.corpus_dir(bad).parent.iterdir())
+
+
+def test_offline_the_corpus_fails_fast_in_one_line(tmp_path):
+    env = {**os.environ, "GWT_OPTIM_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path), "PIP_CONFIG_FILE": os.devnull}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gwt_optim", "pretrain", "--data", "pysrc", "--steps", "1",
+                           "--out", str(tmp_path / "run"), "--no-progress"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]  # the rest: its progress bar
+    assert len(errors) == 1 and "pysrc" in errors[0] and "PyPI" in errors[0] and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
+# ----------------------------------------------------------------------------- beta options
+
+
+def test_beta_options_set_the_betas_of_every_group():
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    for spec, want in [("adamw:beta2=0.95", (0.9, 0.95)), ("gwt-adamw:level=1:beta1=0.8:beta2=0.99", (0.8, 0.99)),
+                       ("gwt-adamw:level=1", (0.9, 0.999))]:
+        name, opts = parse_optimizer_arg(spec)
+        opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts, regular_lr=3e-3))
+        assert {tuple(g["betas"]) for g in opt.param_groups} == {want}, spec
+    # Adafactor's own beta1 stays its own option, not AdamW's betas
+    name, opts = parse_optimizer_arg("gwt-adafactor:level=1:beta1=0.9")
+    opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
+    assert {g["beta1"] for g in opt.param_groups} == {0.9}
+
+
+@pytest.mark.parametrize("spec", ["adamw:beta2=1.0", "adamw:beta1=-0.1", "gwt-adamw:beta2=x", "muon:beta2=true"])
+def test_bad_beta_options_are_value_errors(spec):
+    from gwt_optim.toolkit.registry import parse_optimizer_arg
+
+    with pytest.raises(ValueError, match="beta"):
+        parse_optimizer_arg(spec)
+
+
+# ----------------------------------------------------------------------------- budget logic
+
+
+def test_tokens_to_reach_interpolates_between_validations():
+    curve = [(100, 5.0), (200, 4.0), (300, 3.0)]
+    assert B.tokens_to_reach(curve, 4.0) == 200
+    assert B.tokens_to_reach(curve, 3.5) == pytest.approx(250)
+    assert B.tokens_to_reach(curve, 6.0) == 100
+    assert B.tokens_to_reach(curve, 2.9) is None
+    assert B.parse_tokens("16M") == 16_000_000 and B.parse_tokens("64K") == 64_000 and B.parse_tokens("8192") == 8192
+    with pytest.raises(ValueError):
+        B.parse_tokens("lots")
+
+
+def _report(gwt_final: float, frozen: float) -> dict:
+    def runs(final, seeds=(1, 2)):
+        return [{"seed": s, "val_loss": final + 0.01 * s, "status": "ok", "state_bytes": 2**20,
+                 "curve": [(1000, final + 1), (2000, final + 0.01 * s)]} for s in seeds]
+
+    return {"budget_tokens": 2000, "contenders": {
+        "adamw": {"runs": runs(3.0), "mean": 3.015, "edge": False, "lrs": [1e-3, 3e-3, 1e-2], "best_lr": 3e-3},
+        "gwt-adamw:level=2": {"runs": runs(gwt_final), "mean": gwt_final + 0.015, "edge": True,
+                              "lrs": [1e-3, 3e-3], "best_lr": 3e-3}},
+        "frozen": {"runs": [{"seed": 1, "val_loss": frozen}]}}
+
+
+def test_gaps_speedups_and_gates():
+    out = _report(2.5, 3.2)
+    B.analyse(out, 0.3)
+    g = out["contenders"]["gwt-adamw:level=2"]
+    assert g["gap"]["mean"] == pytest.approx(-0.5) and g["gap"]["n"] == 2
+    assert g["speedup"] > 1.0 and out["contenders"]["adamw"]["speedup"] == pytest.approx(1.0)
+    assert out["gates"]["a"] == {"adamw": True, "gwt-adamw:level=2": False}
+    assert out["gates"]["b"]["margin"] == pytest.approx(3.2 - 3.01) and not out["gates"]["b"]["pass"]
+    slow = _report(3.5, 4.0)
+    B.analyse(slow, 0.3)
+    assert slow["contenders"]["gwt-adamw:level=2"]["speedup"] is None  # never reaches AdamW's loss
+    assert slow["gates"]["b"]["pass"]
+
+
+def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
+    out = tmp_path / "budget"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--budget", "512", "--data", corpus,
+           "--model", tiny_model, "--vocab-size", "320", "--seq-len", "32", "--tokens-per-step", "128",
+           "--val-tokens", "256", "--tune-steps", "2", "--evals", "2", "--contenders", "adamw,gwt-adamw:level=2",
+           "--grid", "adamw=1e-3,3e-3", "--grid", "gwt-adamw:level=2=3e-3", "--beta2s", "0.95",
+           "--report-seeds", "1", "--save-every", "2", "--out", str(out), "--plot", ""]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "budget.json").read_text())
+    C = report["budget"]["contenders"]
+    assert report["budget"]["steps"] == 4 and report["budget"]["tune_steps"] == 2
+    assert set(C) == {"adamw", "gwt-adamw:level=2"} and all(t["n"] == 1 for t in C.values())
+    assert C["adamw"]["runs"][0]["curve"][-1][0] == 512  # validations at 256 and 512 tokens
+    assert report["budget"]["frozen"]["runs"][0]["status"] == "ok"
+    md = (out / "budget.md").read_text()
+    assert "Sanity gates" in md and "(b) AdamW's trained matrices" in md and "speedup" in md
+    assert (out / "loss-vs-tokens.png").stat().st_size > 1000
+    # --resume reuses every run
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
