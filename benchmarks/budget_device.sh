@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Quality at a real budget (issue 18) on one GPU in one call: the whole grid of
+# `benchmarks/quality.py --budget` (AdamW lr x beta2, GWT-AdamW default and the
+# paper's update, Muon, GWT-Muon, AdamW with frozen matrices), tuning runs at
+# the full budget, many pretrain processes sharing the GPU.
+#
+# The device machine reaches no network, so the pysrc corpus travels as its 13
+# pinned sdists (55 MiB, checked by sha256 there) with the trained BPE. Here:
+#
+#   .venv/bin/python -m gwt_optim.toolkit.data.pysrc download .devcarry/sdists
+#   mkdir -p .devcarry/cache/data/tokenizers
+#   cp ~/.cache/gwt-optim/data/tokenizers/pysrc-bpe4096-*.json .devcarry/cache/data/tokenizers/
+#   echo /.devcarry/ >> .git/info/exclude
+#
+# then one device call:  run(command="OUT=$OUT bash benchmarks/budget_device.sh",
+# carry=[".devcarry"], timeout_s=590). What comes back in $OUT: budget.md,
+# budget.json, loss-vs-tokens.png, log.txt and runs.tgz (every run's config,
+# metrics and summary, for `quality.py --budget ... --report-only`).
+#
+#   BUDGET=16M DEADLINE=450 JOBS=32 ... bash benchmarks/budget_device.sh
+#   DEVICE=cpu BUDGET=64K EXTRA="--tokens-per-step 1024 --seq-len 64" ... # a rehearsal on a CPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CARRY=${CARRY:-$ROOT/.devcarry}
+OUT=${OUT:-runs/budget-device}
+WORK=${WORK:-/tmp/gwt-budget}
+BUDGET=${BUDGET:-16M}
+DEVICE=${DEVICE:-cuda}
+JOBS=${JOBS:-32}
+DEADLINE=${DEADLINE:-450}
+EXTRA=${EXTRA:-}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+export GWT_OPTIM_CACHE=$CARRY/cache GWT_PYSRC_SDISTS=$CARRY/sdists PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck disable=SC2086  # EXTRA is a list of flags
+"$PY" benchmarks/quality.py --budget "$BUDGET" --device "$DEVICE" --jobs "$JOBS" --threads 1 --beta2 0.95 \
+  --deadline "$DEADLINE" --resume --out "$WORK" --plot "" $EXTRA 2>&1 | tee "$OUT/log.txt"
+rc=${PIPESTATUS[0]}
+cp "$WORK"/budget.md "$WORK"/budget.json "$WORK"/loss-vs-tokens.png "$OUT"/ 2>/dev/null
+tar czf "$OUT/runs.tgz" --exclude='checkpoints' -C "$WORK" . 2>/dev/null
+exit "$rc"
