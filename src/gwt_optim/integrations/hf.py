@@ -10,7 +10,13 @@ Two equivalent ways to fine-tune any ``transformers`` model with GWT::
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizer_cls_and_kwargs=gwt_optimizer_cls_and_kwargs(model, args, level=2))
 
-and with ``accelerate``::
+Both give the same optimizer (the same groups, and the same weights after the
+same steps). There is no ``TrainingArguments(optim="...")`` name for GWT:
+transformers checks ``optim`` against its own ``OptimizerNames`` enum and maps
+names to optimizers in a private table, with no public way to add one, and
+this package does not patch either (docs/finetuning.md).
+
+And with ``accelerate``::
 
     optimizer, scheduler = create_gwt_optimizer(model, args=None, lr=5e-6, num_training_steps=1000)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
