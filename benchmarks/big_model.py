@@ -249,8 +249,14 @@ def main(argv=None) -> int:
                dynamic_ncols=True)
     if args.in_backward:
         handle = step_in_backward(optimizer)
+
+        def tick(_param) -> None:
+            # Not `lambda p: bar.update(1)`: tqdm's update returns whether it redrew,
+            # and autograd rejects a hook that returns anything but None.
+            bar.update(1)
+
         # Registered after the stepping hooks, so each tick follows a finished parameter step.
-        ticks = [p.register_post_accumulate_grad_hook(lambda p: bar.update(1)) for p in params]
+        ticks = [p.register_post_accumulate_grad_hook(tick) for p in params]
     losses, seconds = [], []
     for i, x in enumerate(batches):
         x = x.to(device)
