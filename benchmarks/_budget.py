@@ -102,6 +102,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--deadline", type=float, metavar="S",
                    help="start no run after S seconds; stop those still running S + --grace seconds in (they save)")
     g.add_argument("--grace", type=float, default=45.0)
+    g.add_argument("--progress", action="store_true",
+                   help="a table of every run folder under --out (finished or not) and its last validation")
     g.add_argument("--report-only", action="store_true", help="report the finished runs, start none")
     g.add_argument("--out", default="runs/budget")
     g.add_argument("--plot", default=str(PLOT_PATH), help="where the loss-vs-tokens plot also goes ('' for none)")
@@ -413,11 +415,39 @@ def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
     plt.close(fig)
 
 
+def progress_table(out: Path) -> str:
+    """Every run under ``out`` with its steps and last validation, finished or cut short: the interim
+    record of a grid that spans sessions (runs still in flight included)."""
+    import json
+
+    from gwt_optim.toolkit.metrics import read_jsonl
+
+    rows = []
+    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
+        run = cfg_path.parent
+        cfg = json.loads(cfg_path.read_text())
+        recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+        vals = [r for r in recs if "val_loss" in r]
+        done = max((int(r["step"]) for r in recs if "step" in r), default=0)
+        stage = run.parts[-5]
+        rows.append((stage, cfg["optimizer"], cfg["lr"], cfg["seed"], done, cfg["steps"],
+                     vals[-1] if vals else None, (run / "summary.json").is_file()))
+    lines = ["| stage | spec | matrix lr | seed | steps done | last validation (step: loss) | finished |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for stage, spec, lr, seed, done, steps, last, fin in rows:
+        v = f"{last['step']}: {last['val_loss']:.4f}" if last else "-"
+        lines.append(f"| {stage} | `{spec}` | {lr:g} | {seed} | {done} / {steps} | {v} | {'yes' if fin else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None, description: str) -> int:
     import os
 
     start = time.monotonic()
     args = build_parser(description).parse_args(argv)
+    if args.progress:
+        print(progress_table(Path(args.out)), end="")
+        return 0
     from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text, environment
     from gwt_optim.toolkit.train import TrainConfig
 
