@@ -147,6 +147,19 @@ def test_finetune_lm_alpaca_via_cli(tiny_llama, tmp_path, capsys):
     assert "gwt-adamw:level=1" in capsys.readouterr().out
 
 
+def test_a_seq_len_that_cuts_off_every_response_is_one_line(tiny_llama, tmp_path, capsys):
+    from gwt_optim.cli import main
+
+    rc = main([
+        "finetune", "lm", "--model", str(tiny_llama), "--data", str(DATA / "alpaca_tiny.json"),
+        "--methods", "adamw", "--lrs", "1e-3", "--steps", "1", "--batch-size", "2",
+        "--seq-len", "8", "--eval-batches", "1", "--isolate", "no", "--no-progress", "--out", str(tmp_path),
+    ])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "error" in line]  # beside transformers' loading bar
+    assert rc == 2 and len(errors) == 1 and "raise --seq-len" in errors[0] and "Traceback" not in out + err
+
+
 def test_unknown_lora_option_names_the_known_ones(tiny_llama):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match="known: r"):

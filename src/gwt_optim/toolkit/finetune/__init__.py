@@ -15,6 +15,7 @@ Both sub-commands import transformers, datasets and peft only when they run.
 from __future__ import annotations
 
 import argparse
+import sys
 import importlib
 
 __all__ = ["register"]
@@ -35,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
         return module.main(args)
     except (HubUnavailable, MissingDependency, FileNotFoundError, ValueError) as exc:
         # Errors that name their fix: show the message, not a traceback.
-        print(f"gwt-optim finetune {args.finetune_command}: error: {exc}", flush=True)
+        print(f"gwt-optim finetune {args.finetune_command}: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 

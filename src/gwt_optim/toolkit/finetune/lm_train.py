@@ -50,6 +50,9 @@ def perplexity(model: nn.Module, batches: Sequence[dict[str, torch.Tensor]], dev
         total += float(next_token_losses(logits, batch["labels"]).sum())
         count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     model.train()
+    if count == 0:  # e.g. Alpaca prompts longer than --seq-len: every response is cut off
+        raise ValueError("no validation target token fits in a sequence (every response is cut off by its "
+                         "prompt); raise --seq-len")
     return math.exp(total / count)
 
 
