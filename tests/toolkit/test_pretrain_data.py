@@ -50,7 +50,7 @@ def test_local_errors_name_the_fix(tmp_path):
     bad.write_text(json.dumps({"body": "no text field"}) + "\n")
     with pytest.raises(ValueError, match="'text' field"):
         data.load_texts(str(bad), "train")
-    with pytest.raises(FileNotFoundError, match="'demo', 'c4'"):
+    with pytest.raises(FileNotFoundError, match="'demo', 'pysrc', 'c4'"):
         data.load_texts(str(tmp_path / "missing"), "train")
     with pytest.raises(ValueError, match="unknown split"):
         data.load_texts("demo", "holdout")
