@@ -458,7 +458,7 @@ def main(argv: list[str] | None, description: str) -> int:
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
             "grad_clip": args.grad_clip, "weight_decay": args.weight_decay, "scale": 1.0,
-            "device": args.device, "precision": args.precision, "keep_last": 1}).to_dict()
+            "device": args.device, "precision": args.precision, "keep_last": 1}).validate().to_dict()
     except ValueError as exc:
         print(f"quality.py --budget: error: {exc}", file=sys.stderr)
         return 2

@@ -873,6 +873,8 @@ def build_parser(description: str, *, mode: str) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, help="a fixed step count instead (capped at one epoch), for smoke tests")
     g.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
     g.add_argument("--precision", default="fp32", help="fp32 (default; as on CPU), bf16 or auto")
+    g.add_argument("--grad-clip", type=float, help="gradient-norm clip for every run (default: off)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay for every run (0)")
     g = p.add_argument_group("running")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda (all runs share the GPU)")
     g.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
@@ -1032,9 +1034,15 @@ def main(argv: list[str] | None, *, mode: str, description: str) -> int:
             return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     known = set(TrainConfig().to_dict())
-    base = {**{k: v for k, v in DEMO.items() if k in known}, "device": args.device, "precision": args.precision}
+    base = {**{k: v for k, v in DEMO.items() if k in known}, "device": args.device, "precision": args.precision,
+            "grad_clip": args.grad_clip, "weight_decay": args.weight_decay}
     # The demo's tokenizer, named explicitly so reused runs match exactly.
     base["tokenizer"] = base.get("tokenizer") or ("bpe" if base.get("data", "demo") == "demo" else "t5-base")
+    try:
+        TrainConfig.from_dict(base).validate()
+    except ValueError as exc:  # a bad --grad-clip or --weight-decay: before any data is prepared
+        print(f"{name}.py: error: {exc}", file=sys.stderr)
+        return 2
     base = {k: v for k, v in TrainConfig.from_dict(base).to_dict().items()
             if k not in ("optimizer", "lr", "seed", "out", "progress", "batch_size", "micro_batch_size", "steps")}
     print(f"preparing the {base['data']} data (tokenizer, token cache) ...", flush=True)

@@ -222,3 +222,19 @@ def test_same_config_ignores_the_folder_and_fields_a_run_predates():
     # a field the finished run predates counts as equal only at its default
     assert P.same_config({k: v for k, v in have.items() if k != "grad_clip"}, want)  # default None
     assert not P.same_config({k: v for k, v in have.items() if k != "seed"}, want)  # 1, not the default 0
+
+
+def test_grad_clip_and_weight_decay_reach_every_run(monkeypatch, capsys):
+    seen = {}
+
+    def stop(base):  # the runs' shared config, as main built it; stop before any data is prepared
+        seen.update(base)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(P, "prepare_data", stop)
+    assert P.main(["--grad-clip", "1", "--weight-decay", "0.1", "--no-preflight"], mode="quality",
+                  description="") == 2
+    assert seen["grad_clip"] == 1.0 and seen["weight_decay"] == 0.1
+    seen.clear()
+    assert P.main(["--grad-clip", "-1"], mode="quality", description="") == 2
+    assert not seen and "--grad-clip must be a number > 0" in capsys.readouterr().err
