@@ -19,6 +19,8 @@ Add an optimizer with::
 
 from __future__ import annotations
 
+import math
+
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -269,14 +271,17 @@ def _gwt_adamw_options() -> dict[str, Any]:
     from gwt_optim.optim import GWTAdamW
 
     # ``detail_clip=none`` in a spec selects the paper's update.
-    return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "compile": None}
+    # ``detail_clip_end``: the clip anneals to it over training (train.DetailClipAnneal), a
+    # zero-state remedy candidate of issue 18; None keeps the clip constant.
+    return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "compile": None,
+            "detail_clip_end": None}
 
 
 @register(
     "gwt-adamw",
     help="GWT-AdamW: Adam moments on Haar approximation coefficients "
     "(level, wavelet, scale, norm_growth_limit, detail_clip (default 0.5; none = the paper's update), "
-    "moment_dtype, compile)",
+    "detail_clip_end (anneal the clip to it over a toolkit run), moment_dtype, compile)",
     options=_gwt_adamw_options(),
 )
 def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -287,10 +292,18 @@ def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         model, cfg.recipe, scale=cfg.scale, target_modules=cfg.target_modules,
         regular_options=cfg.regular_options(), **gwt_group_options(cfg),
     )
-    return GWTAdamW(
+    end = cfg.pop("detail_clip_end")
+    if end is not None and (isinstance(end, bool) or not isinstance(end, (int, float)) or not 0 < end < math.inf):
+        raise ValueError(f"gwt-adamw: option detail_clip_end={end!r} must be a finite number > 0")
+    opt = GWTAdamW(
         list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), compile=cfg.pop("compile"),
     )
+    if end is not None:
+        if not any(g.get("level") and g.get("detail_clip") is not None for g in opt.param_groups):
+            raise ValueError("gwt-adamw: detail_clip_end anneals the clip; it needs a detail_clip, not none")
+        opt.detail_clip_end = float(end)  # read by the training loop, which knows the run's length
+    return opt
 
 
 # Populate the rest of the registry: peers (AdamW8bit, GaLore, APOLLO, Adam-mini,

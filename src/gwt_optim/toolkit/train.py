@@ -224,6 +224,30 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class DetailClipAnneal:
+    """A zero-state remedy candidate (issue 18): every GWT group's ``detail_clip``
+    moves from its value at the start to ``end`` on the lr schedule's cosine
+    (constant during warm-up). The value depends on the step alone, so a resumed
+    run recomputes it; the kernels read the clip afresh at every step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, end: float, total_steps: int, warmup_steps: int):
+        # By index: load_state_dict replaces the group dicts, and the start values
+        # must be the spec's, not a checkpoint's (already annealed) ones.
+        self.optimizer = optimizer
+        self.starts = {i: float(g["detail_clip"]) for i, g in enumerate(optimizer.param_groups)
+                       if g.get("level") and g.get("detail_clip") is not None}
+        if not self.starts:
+            raise ValueError("detail_clip_end: no GWT group has a detail_clip to anneal")
+        self.shape = WarmupCosine(total_steps, warmup_steps, 0.0)
+        self.end = end
+
+    def apply(self, step: int) -> None:
+        """Set the clip for the step after ``step`` finished steps."""
+        s = 1.0 if step < self.shape.warmup_steps else self.shape(step)
+        for i, start in self.starts.items():
+            self.optimizer.param_groups[i]["detail_clip"] = self.end + (start - self.end) * s
+
+
 def warmup_steps(warmup: float, total_steps: int) -> int:
     """Warm-up length from ``--warmup``: a fraction of ``total_steps`` when below 1,
     else a number of steps.
@@ -653,6 +677,8 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
         step_in_backward(optimizer)  # for the life of this optimizer: no handle to keep
     n_warmup = warmup_steps(cfg.warmup, cfg.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
+    clip_end = getattr(optimizer, "detail_clip_end", None)
+    clip_anneal = DetailClipAnneal(optimizer, clip_end, cfg.steps, n_warmup) if clip_end is not None else None
 
     def restore(state: dict[str, Any]) -> int:
         return ckpt.restore_training_state(state, model=unwrap(model), optimizer=optimizer, scheduler=scheduler,
@@ -667,6 +693,8 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
 
             raise UsageError(f"--steps {cfg.steps} is below step {start_step} of the checkpoint {last_ckpt}")
         _use_schedule(scheduler, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
+    if clip_anneal is not None:
+        clip_anneal.apply(scheduler.last_epoch)
 
     if dctx.is_main:
         atomic_write_json(run / "config.json", cfg.to_dict())
@@ -755,6 +783,8 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
                     if not cfg.step_in_backward:  # else every parameter was stepped in backward
                         optimizer.step()
                     scheduler.step()
+                    if clip_anneal is not None:
+                        clip_anneal.apply(scheduler.last_epoch)
                     optimizer.zero_grad(set_to_none=True)
                 step += 1
                 record = {"step": step, "loss": loss_value, "lr": lr_now, "tokens": step * tokens_per_step,
