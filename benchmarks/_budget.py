@@ -429,7 +429,7 @@ def progress_table(out: Path) -> str:
         recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
         vals = [r for r in recs if "val_loss" in r]
         done = max((int(r["step"]) for r in recs if "step" in r), default=0)
-        stage = run.parts[-5]
+        stage = run.parts[-5]  # OUT/STAGE/runs/tokens.../seedN/RUN
         rows.append((stage, cfg["optimizer"], cfg["lr"], cfg["seed"], done, cfg["steps"],
                      vals[-1] if vals else None, (run / "summary.json").is_file()))
     lines = ["| stage | spec | matrix lr | seed | steps done | last validation (step: loss) | finished |",
@@ -440,13 +440,49 @@ def progress_table(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_progress(out: Path, paths: Sequence[Path], tokens_per_step: int) -> None:
+    """Every run's validation curve so far (tuning runs included): the interim picture."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lo = None
+    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
+        cfg = json.loads(cfg_path.read_text())
+        curve = read_curve(cfg_path.parent, tokens_per_step)
+        if not curve:
+            continue
+        name = P.parse_spec(cfg["optimizer"])[0] + (" (paper)" if "detail_clip=none" in cfg["optimizer"] else "")
+        stage = cfg_path.parts[-6]
+        ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], ls="-" if stage == "report" else "--",
+                label=f"{name}, lr {cfg['lr']:g}, {stage} seed {cfg['seed']}")
+        lo = min([y for _, y in curve] + ([lo] if lo is not None else []))
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("validation loss")
+    if lo is not None:
+        ax.set_ylim(lo - 0.05, lo + 1.0)
+    ax.set_title("budget study so far: every run's validation loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None, description: str) -> int:
     import os
 
     start = time.monotonic()
     args = build_parser(description).parse_args(argv)
-    if args.progress:
+    if args.progress:  # the interim record: a table, and the curves in OUT/progress.png (and --plot)
         print(progress_table(Path(args.out)), end="")
+        plot_progress(Path(args.out), [Path(args.out) / "progress.png"] + ([Path(args.plot)] if args.plot else []),
+                      args.tokens_per_step)
         return 0
     from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text, environment
     from gwt_optim.toolkit.train import TrainConfig
