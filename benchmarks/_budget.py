@@ -178,19 +178,17 @@ class Budget:
         self.tune_steps = args.tune_steps or self.steps
         self.R = args.regular_lr
 
-        def runner(sub: str, steps: int) -> P.Runner:
+        def runner(sub: str, steps: int, pool=None) -> P.Runner:
             b = {**base, "eval_every": max(1, steps // max(1, args.evals)),
                  "save_every": min(args.save_every, steps) if args.save_every else 0}
             r = P.Runner(Path(args.out) / sub, P.Setting(b, windows, steps=steps), jobs=args.jobs,
                          threads=args.threads, resume=args.resume, offline=args.report_only, start=start,
-                         deadline=args.deadline, grace=args.grace)
+                         deadline=args.deadline, grace=args.grace, pool=pool)
             r.resume_partial = args.resume
             return r
 
         self.tuner = runner("tune", self.tune_steps)
-        self.reporter = runner("report", self.steps)
-        self.reporter.pool.shutdown()
-        self.reporter.pool = self.tuner.pool  # one queue: never more than --jobs processes
+        self.reporter = runner("report", self.steps, pool=self.tuner.pool)  # one queue: at most --jobs processes
 
     def spec(self, label: str, lr: float) -> str:
         return P.run_spec(label, "fair", lr=lr, regular_lr=self.R)
@@ -381,14 +379,34 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
+def _axes():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    B = report["budget"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, *, lo: float | None, span: float, title: str, legend_size: int, paths: Sequence[Path]):
+    """Loss against tokens, the y range from the lowest loss up ``span`` nats, written to every path."""
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("validation loss")
+    if lo is not None:
+        ax.set_ylim(lo - 0.05, lo + span)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=110)
+    plt.close(fig)
+
+
+def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
+    B = report["budget"]
+    plt, fig, ax = _axes()
     for c, t in B["contenders"].items():
         curve = mean_curve(t.get("runs", []))
         if curve:
@@ -400,36 +418,31 @@ def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
     base = B["contenders"].get(P.BASELINE, {})
     if P.finite(base.get("mean")):
         ax.axhline(base["mean"], color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("training tokens (M)")
-    ax.set_ylabel("validation loss")
     lo = min((y for t in B["contenders"].values() for r in t.get("runs", []) for _, y in r.get("curve") or []),
              default=None)
-    if lo is not None:
-        ax.set_ylim(lo - 0.05, lo + 1.5)
-    ax.set_title(f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds {B['report_seeds']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, lo=lo, span=1.5, legend_size=8, paths=paths,
+          title=f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds {B['report_seeds']}")
+
+
+def run_folders(out: Path):
+    """(stage, run folder, its config) of every run under ``out`` (``OUT/STAGE/runs/tokens.../seedN/RUN``),
+    finished or cut short."""
+    import json
+
+    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
+        yield cfg_path.parts[-6], cfg_path.parent, json.loads(cfg_path.read_text())
 
 
 def progress_table(out: Path) -> str:
     """Every run under ``out`` with its steps and last validation, finished or cut short: the interim
     record of a grid that spans sessions (runs still in flight included)."""
-    import json
-
     from gwt_optim.toolkit.metrics import read_jsonl
 
     rows = []
-    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
-        run = cfg_path.parent
-        cfg = json.loads(cfg_path.read_text())
+    for stage, run, cfg in run_folders(out):
         recs = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
         vals = [r for r in recs if "val_loss" in r]
         done = max((int(r["step"]) for r in recs if "step" in r), default=0)
-        stage = run.parts[-5]  # OUT/STAGE/runs/tokens.../seedN/RUN
         rows.append((stage, cfg["optimizer"], cfg["lr"], cfg["seed"], done, cfg["steps"],
                      vals[-1] if vals else None, (run / "summary.json").is_file()))
     lines = ["| stage | spec | matrix lr | seed | steps done | last validation (step: loss) | finished |",
@@ -442,36 +455,18 @@ def progress_table(out: Path) -> str:
 
 def plot_progress(out: Path, paths: Sequence[Path], tokens_per_step: int) -> None:
     """Every run's validation curve so far (tuning runs included): the interim picture."""
-    import json
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plt, fig, ax = _axes()
     lo = None
-    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
-        cfg = json.loads(cfg_path.read_text())
-        curve = read_curve(cfg_path.parent, tokens_per_step)
+    for stage, run, cfg in run_folders(out):
+        curve = read_curve(run, tokens_per_step)
         if not curve:
             continue
         name = P.parse_spec(cfg["optimizer"])[0] + (" (paper)" if "detail_clip=none" in cfg["optimizer"] else "")
-        stage = cfg_path.parts[-6]
         ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], ls="-" if stage == "report" else "--",
                 label=f"{name}, lr {cfg['lr']:g}, {stage} seed {cfg['seed']}")
         lo = min([y for _, y in curve] + ([lo] if lo is not None else []))
-    ax.set_xlabel("training tokens (M)")
-    ax.set_ylabel("validation loss")
-    if lo is not None:
-        ax.set_ylim(lo - 0.05, lo + 1.0)
-    ax.set_title("budget study so far: every run's validation loss")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, lo=lo, span=1.0, legend_size=7, paths=paths,
+          title="budget study so far: every run's validation loss")
 
 
 def main(argv: list[str] | None, description: str) -> int:

@@ -285,12 +285,14 @@ class Runner:
 
     def __init__(self, out: Path, setting: Setting, *, jobs: int = 1, threads: int | None = None,
                  resume: bool = False, keep_checkpoints: bool = False, deadline: float | None = None,
-                 grace: float = 45.0, quiet: bool = False, offline: bool = False, start: float | None = None):
+                 grace: float = 45.0, quiet: bool = False, offline: bool = False, start: float | None = None,
+                 pool: ThreadPoolExecutor | None = None):
         self.out, self.setting, self.resume, self.keep = out, setting, resume or offline, keep_checkpoints
         self.offline = offline  # report only: read finished runs, start none
         self.run_env: dict[str, Any] | None = None  # environment.json of one finished run
         self.threads = threads
-        self.pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+        # ``pool``: another Runner's, so that runners of different stages share one limit of ``jobs``.
+        self.pool = pool if pool is not None else ThreadPoolExecutor(max_workers=max(1, jobs))
         self.t0 = time.monotonic() if start is None else start
         self.stop_at = None if deadline is None else self.t0 + deadline
         self.kill_at = None if deadline is None else self.t0 + deadline + grace

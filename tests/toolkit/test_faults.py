@@ -26,13 +26,7 @@ from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
 
 
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert "Traceback" not in err, err
-    assert lines, "no message on stderr"
-    assert lines[-1].startswith("gwt-optim "), err
-    return lines[-1]
+from test_cli_errors import _error  # noqa: E402 - the one check of a one-line error, shared with that file
 
 
 def _digest(folder: Path) -> dict[str, str]:

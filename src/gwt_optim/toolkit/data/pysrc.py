@@ -32,7 +32,7 @@ import tarfile
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from gwt_optim.toolkit.data.cache import _digest, cache_dir
 
@@ -45,17 +45,12 @@ MAX_FILE_BYTES = 512 * 1024  # larger files are generated tables or data, not pr
 MIN_FILE_BYTES = 64
 
 
-class Sdist(tuple):
-    """(name, version, sha256 of the .tar.gz) of one pinned source distribution."""
+class Sdist(NamedTuple):
+    """One pinned source distribution."""
 
-    __slots__ = ()
-
-    def __new__(cls, name: str, version: str, sha256: str):
-        return super().__new__(cls, (name, version, sha256))
-
-    name = property(lambda self: self[0])
-    version = property(lambda self: self[1])
-    sha256 = property(lambda self: self[2])
+    name: str
+    version: str
+    sha256: str  # of the .tar.gz
 
 
 # Large projects whose sdists ship their sources and reST docs and whose
