@@ -92,6 +92,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--tune-seeds", default="0")
     g.add_argument("--report-seeds", default="1,2")
     g.add_argument("--gate-nats", type=float, default=0.3, help="sanity gate (b): trained minus frozen (0.3)")
+    g.add_argument("--gate-seeds", help="seeds of the frozen-matrix AdamW run of gate (b) (default: the first "
+                   "reporting seed; 'none' leaves it for a later session)")
+    g.add_argument("--tune-only", action="store_true",
+                   help="run the tuning grids only (stages 1-2); the reporting seeds wait for a later call")
     g = p.add_argument_group("running")
     g.add_argument("--device", default="cpu")
     g.add_argument("--precision", default="fp32")
@@ -230,11 +234,25 @@ class Budget:
                 "n": sum(P.finite(r["val_loss"]) for r in runs), "state_bytes": states[0] if states else None}
 
 
+def gate_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
+    """``--gate-seeds``: None -> the first reporting seed; 'none' -> no frozen run this call."""
+    if text is None:
+        return report_seeds[:1]
+    if text.strip().lower() == "none":
+        return []
+    seeds = P.ints(text)
+    if not set(seeds) <= set(report_seeds):
+        raise ValueError(f"--gate-seeds {text!r}: gate (b) pairs the frozen run with AdamW's reporting run, "
+                         f"so its seeds must be reporting seeds ({report_seeds})")
+    return seeds
+
+
 def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any]:
     grids = grids_of(args)
     beta2s = P.floats(args.beta2s)
     tune_seeds, report_seeds = P.ints(args.tune_seeds), P.ints(args.report_seeds)
     P.split_seeds(tune_seeds, report_seeds)
+    gate_seeds = gate_seeds_of(args.gate_seeds, report_seeds)
     b = Budget(args, base, windows, start)
     out: dict[str, Any] = {"steps": b.steps, "tune_steps": b.tune_steps, "tokens_per_step": b.T,
                            "budget_tokens": b.steps * b.T, "regular_lr": b.R, "tune_seeds": tune_seeds,
@@ -268,17 +286,18 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
         def contender(label: str) -> dict[str, Any]:
             t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
                                                           pending.get(label))
-            if t["best_lr"] is None:
+            if t["best_lr"] is None or args.tune_only:
                 return {**t, "runs": [], "mean": None, "std": None, "n": 0}
             b2 = t["best_beta2"] if label == P.BASELINE else beta2
             return {**t, **b.report(label, t["best_lr"], b2, report_seeds)}
 
         with ThreadPoolExecutor(max_workers=len(grids) + 1) as pool:
-            frozen = pool.submit(b.report, P.BASELINE, FROZEN_LR, base_t["best_beta2"] or beta2, report_seeds[:1])
+            frozen = pool.submit(b.report, P.BASELINE, FROZEN_LR, base_t["best_beta2"] or beta2, gate_seeds) \
+                if gate_seeds and not args.tune_only else None
             futs = {c: pool.submit(contender, c) for c in grids}
             for c, f in futs.items():
                 out["contenders"][c] = f.result()
-            out["frozen"] = frozen.result()
+            out["frozen"] = frozen.result() if frozen else {}
     finally:
         b.tuner.shutdown()
         for sig, h in old.items():
@@ -308,7 +327,7 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
-        "a": {c: not t.get("edge") for c, t in C.items()},
+        "a": {c: None if t.get("best_lr") is None else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
               "pass": margin is not None and margin >= gate_nats},
     }
@@ -348,6 +367,7 @@ def render(report: dict[str, Any]) -> str:
     lines += ["## At the budget (reporting seeds)", "",
               "| optimizer | matrix lr | val loss (mean ± std) | Δ vs AdamW (paired) | tokens to AdamW's loss (seed mean) | "
               "speedup | state MiB | per seed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    target_mean = C.get(P.BASELINE, {}).get("mean")
     for c, t in C.items():
         runs = t.get("runs", [])
         loss = f"{t['mean']:.4f} ± {t['std']:.4f}" if P.finite(t.get("mean")) else "not run"
@@ -356,8 +376,9 @@ def render(report: dict[str, Any]) -> str:
         gap = t.get("gap") or {}
         delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
         reach = t.get("tokens_to_target")
-        reach_s = f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if runs else "-")
-        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if runs else "-")
+        measured = t.get("n", 0) > 0 and P.finite(target_mean)
+        reach_s = f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if measured else "-")
+        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if measured else "-")
         state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
         per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
         lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {loss} | {delta} | {reach_s} | {speed} | {state} | "
@@ -365,11 +386,12 @@ def render(report: dict[str, Any]) -> str:
     g = B.get("gates", {})
     ga, gb = g.get("a", {}), g.get("b", {})
     lines += ["", "## Sanity gates", "",
-              "(a) best lr inside its grid: " + (", ".join(f"{c} {'pass' if ok else '**FAIL** (edge)'}"
-                                                          for c, ok in ga.items()) or "-"),
+              "(a) best lr inside its grid: " + (", ".join(
+                  f"{c} {'not tuned yet' if ok is None else 'pass' if ok else '**FAIL** (edge)'}"
+                  for c, ok in ga.items()) or "-"),
               f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
               f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
-              + ("pass" if gb.get("pass") else "**FAIL**"),
+              + ("pass" if gb.get("pass") else "not run yet" if gb.get("frozen") is None else "**FAIL**"),
               "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
               "extending.", "",
               f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "
@@ -485,6 +507,7 @@ def main(argv: list[str] | None, description: str) -> int:
     try:
         parse_tokens(args.budget)
         grids_of(args)
+        gate_seeds_of(args.gate_seeds, P.ints(args.report_seeds))
         base = TrainConfig.from_dict({
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,

@@ -204,6 +204,14 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
+    # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet
+    tuned = tmp_path / "tuned"
+    only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only"], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert only.returncode == 1, only.stdout[-2000:] + only.stderr[-2000:]  # 1: the budget is not done
+    assert not (tuned / "report").exists() and "'ran': 3" in only.stdout
+    md = (tuned / "budget.md").read_text()
+    assert "not run yet" in md and "not reached" not in md and "< 1x" not in md
 
 
 def test_sdists_from_a_carried_folder_are_checked_like_downloads(sdists, tmp_path, monkeypatch):
@@ -220,3 +228,15 @@ def test_sdists_from_a_carried_folder_are_checked_like_downloads(sdists, tmp_pat
     monkeypatch.setenv("GWT_OPTIM_CACHE", str(tmp_path / "third"))
     with pytest.raises(ValueError, match="sha256"):
         pysrc.build(pinned, progress=False)
+
+
+def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
+    assert B.gate_seeds_of(None, [1, 2]) == [1] and B.gate_seeds_of("none", [1, 2]) == []
+    assert B.gate_seeds_of("2", [1, 2]) == [2]
+    with pytest.raises(ValueError, match="reporting seeds"):
+        B.gate_seeds_of("0", [1, 2])
+    out = _report(2.5, 3.2)
+    out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": None, "lrs": [1e-2]}
+    out["frozen"] = {}
+    B.analyse(out, 0.3)
+    assert out["gates"]["a"]["muon"] is None and out["gates"]["b"]["frozen"] is None
