@@ -467,15 +467,16 @@ class Runner:
 
 
 def same_config(have: dict[str, Any], want: dict[str, Any]) -> bool:
-    """Whether a finished run's ``config.json`` is the run ``want`` asks for. Its own folder (``out``) is
-    left out, so a results folder copied elsewhere still matches; a field that the run predates counts as
-    equal when ``want`` has it at TrainConfig's default (a new option keeps the old behaviour by default)."""
-    from gwt_optim.toolkit.train import TrainConfig
+    """Whether a finished run's ``config.json`` is the run ``want`` asks for. How it was driven (its folder,
+    whether it was resumed: ``DRIVING_ONLY``) is left out, so a results folder copied elsewhere, or a run
+    finished by a resume, still matches; a field that the run predates counts as equal when ``want`` has it
+    at TrainConfig's default (a new option keeps the old behaviour by default)."""
+    from gwt_optim.toolkit.train import DRIVING_ONLY, TrainConfig
 
     want = json.loads(json.dumps(want))
     defaults = json.loads(json.dumps(TrainConfig().to_dict()))
     for key, value in want.items():
-        if key == "out":
+        if key in DRIVING_ONLY:
             continue
         if key in have:
             if have[key] != value:

@@ -219,6 +219,8 @@ def test_same_config_ignores_the_folder_and_fields_a_run_predates():
     have = json.loads(json.dumps({**want, "out": "/here/run"}))
     assert P.same_config(have, want)
     assert not P.same_config({**have, "lr": 3e-3}, want)
+    # a run finished by a resume is the same run (it was thrown aside and retrained before)
+    assert P.same_config({**have, "resume": True, "progress": False}, want)
     # a field the finished run predates counts as equal only at its default
     assert P.same_config({k: v for k, v in have.items() if k != "grad_clip"}, want)  # default None
     assert not P.same_config({k: v for k, v in have.items() if k != "seed"}, want)  # 1, not the default 0

@@ -72,9 +72,10 @@ def _same_config(run: Path, config: dict[str, Any]) -> bool:
         done = json.loads((run / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    ignore = {"resume", "progress", "dist_timeout"}
-    return {k: v for k, v in done.items() if k not in ignore} == {
-        k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignore
+    from .train import DRIVING_ONLY
+
+    return {k: v for k, v in done.items() if k not in DRIVING_ONLY} == {
+        k: v for k, v in json.loads(json.dumps(config)).items() if k not in DRIVING_ONLY
     }
 
 

@@ -182,6 +182,11 @@ RESUME_MAY_CHANGE = frozenset({
 })
 
 
+# How a run is driven, not what it trains: a finished run whose value of one of
+# these differs is still the same run, so a runner reuses it (compare, quality.py).
+DRIVING_ONLY = frozenset({"out", "resume", "progress", "dist_timeout"})
+
+
 def resume_conflicts(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """``"optimizer: 'adamw' -> 'gwt-adamw'"`` for each setting ``--resume`` may not change."""
     def norm(v: Any) -> Any:
