@@ -48,7 +48,7 @@ def missing_extra(exc: BaseException) -> str | None:
 
 
 def _install_hint(exc: ModuleNotFoundError, extra: str) -> Exception:
-    from gwt_optim.toolkit.registry import MissingDependency
+    from gwt_optim.registry import MissingDependency
 
     return MissingDependency(f"{exc.name.split('.')[0]!r} is not installed: install gwt-optim[{extra}] "
                              f"(pip install 'gwt-optim[{extra}]')")
@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "takes_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    from gwt_optim.toolkit.errors import run_command
+    from gwt_optim.registry import MissingDependency
+    from gwt_optim.toolkit.errors import register_user_error, run_command
 
+    # The registry sits below the toolkit's errors and cannot register its own
+    # user error; the entry point, which sees both, does.
+    register_user_error(MissingDependency)
     try:
         return run_command(args.command, _with_install_hint(args.func), args)
     except KeyboardInterrupt as exc:

@@ -155,7 +155,7 @@ def create_gwt_optimizer(
         scale: the paper's module-wise ``alpha`` on the target weights (2 in
             its GLUE recipe). Non-GWT optimizers receive it as ``lr * alpha``
             on those weights, so use ``scale=1.0`` for a plain baseline.
-        optimizer: a name from :data:`gwt_optim.toolkit.registry.REGISTRY`
+        optimizer: a name from :data:`gwt_optim.registry.REGISTRY`
             (``"gwt-adamw"``, ``"adamw"``, ``"galore"``, ...).
         target_modules: module-name substrings to override the detection.
         lr, weight_decay: override the values in ``args``.
@@ -172,7 +172,7 @@ def create_gwt_optimizer(
         (epoch-based ``TrainingArguments``), in which case ``Trainer`` builds
         the same scheduler itself once it knows the dataset length.
     """
-    from gwt_optim.toolkit.registry import REGISTRY, OptimizerConfig, build_optimizer
+    from gwt_optim.registry import REGISTRY, OptimizerConfig, build_optimizer
 
     if optimizer not in REGISTRY:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(REGISTRY))}")

@@ -62,6 +62,7 @@ from gwt_optim.memory.estimate import (
     TrainingEstimate,
     _activation_bytes,  # the training-peak tests check it directly
     estimate,
+    estimator_key,
     training_estimate,
 )
 from gwt_optim.memory.measure import optimizer_state_bytes, tensor_bytes
@@ -74,6 +75,7 @@ __all__ = [
     "MemoryEstimate",
     "TensorSpec",
     "ESTIMATORS",
+    "estimator_key",
     "load_config_json",
     "llama_skeleton",
     "memory_table",

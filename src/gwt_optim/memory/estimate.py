@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from gwt_optim.memory.skeleton import TensorSpec, _config_specs, _model_dims, load_config_json, tensor_specs
+from gwt_optim.registry import REGISTRY
 
-__all__ = ["ESTIMATORS", "ALIASES", "MemoryEstimate", "estimate", "TrainingEstimate", "training_estimate"]
+__all__ = ["ESTIMATORS", "ALIASES", "estimator_key", "MemoryEstimate", "estimate", "TrainingEstimate",
+           "training_estimate"]
 
 
 # --------------------------------------------------------------------------- #
@@ -183,13 +185,22 @@ ESTIMATORS: dict[str, Estimator] = {
     ),
 }
 
-# Registry names of the same optimizers (gwt_optim.toolkit.peers) -> estimator
-# names. bitsandbytes' adam8bit has torchao's layout up to its small-tensor rule.
-ALIASES = {
-    "adam8bit": "adamw8bit",
-    "torchao-adamw8bit": "adamw8bit",
-    "torchao-adamw4bit": "adamw4bit",
-}
+
+
+def estimator_key(optimizer_name: str) -> str:
+    """The :data:`ESTIMATORS` key for ``optimizer_name``: a registry entry's
+    ``memory`` (``adam8bit -> adamw8bit``), else the name itself.
+
+    The registry is read on every call, so an entry registered after this
+    module was imported is estimated too.
+    """
+    spec = REGISTRY.get(optimizer_name)
+    return spec.memory if spec is not None else optimizer_name
+
+
+# Registry names whose rule has another name, read off the registry (each
+# entry's ``memory``) rather than kept as a second list of names.
+ALIASES = {name: spec.memory for name, spec in REGISTRY.items() if spec.memory != name}
 
 
 @dataclass
@@ -268,7 +279,7 @@ def estimate(
         dim, n_heads: hidden size and heads for Adam-mini's head blocks, if
             the module has no ``config``.
     """
-    key = ALIASES.get(optimizer_name, optimizer_name)
+    key = estimator_key(optimizer_name)
     if key not in ESTIMATORS:
         raise ValueError(f"no memory estimate for {optimizer_name!r}; known: {', '.join(ESTIMATORS)}")
     if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:

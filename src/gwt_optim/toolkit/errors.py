@@ -8,6 +8,10 @@ unreachable Hub, a full disk, a read-only folder -- and prints them as
 traceback. ``ValueError`` counts as the user's (it is what torch and the
 optimizers raise for a bad hyperparameter); set ``GWT_OPTIM_TRACEBACK=1`` to
 see the traceback of any of them anyway.
+
+A module that defines another such exception registers it where it is
+defined, with :func:`register_user_error`: this module imports none of them,
+so every module may import it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["UsageError", "user_error_types", "one_line", "run_command", "EXIT_USAGE"]
+__all__ = ["UsageError", "register_user_error", "user_error_types", "one_line", "run_command", "EXIT_USAGE"]
 
 EXIT_USAGE = 2  # argparse's code for a bad command line
 
@@ -31,23 +35,33 @@ class UsageError(ValueError):
     """A setting, file or environment the user can fix; the message says how."""
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    # Imported here so that `gwt-optim --help` stays free of the toolkit's imports.
-    from gwt_optim.toolkit.data import DataUnavailable
-    from gwt_optim.toolkit.registry import MissingDependency
-    from gwt_optim.toolkit.train import NonFiniteLossError
+# The built-in kinds; the toolkit's own (DataUnavailable, MissingDependency,
+# NonFiniteLossError) join through register_user_error.
+_USER_ERRORS: list[type[BaseException]] = [
+    ValueError,  # UsageError, JSONDecodeError and UnicodeDecodeError among them
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+]
 
-    return (
-        ValueError,  # UsageError, JSONDecodeError and UnicodeDecodeError among them
-        FileNotFoundError,
-        FileExistsError,
-        NotADirectoryError,
-        IsADirectoryError,
-        PermissionError,
-        DataUnavailable,
-        MissingDependency,
-        NonFiniteLossError,
-    )
+
+def register_user_error(exc_type: type[BaseException]) -> type[BaseException]:
+    """Count ``exc_type`` as the user's to fix: one line and exit status 2.
+
+    Returns the type, so it also serves as a class decorator; registering a
+    type twice is harmless.
+    """
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        raise TypeError(f"register_user_error takes an exception class, not {exc_type!r}")
+    if exc_type not in _USER_ERRORS:
+        _USER_ERRORS.append(exc_type)
+    return exc_type
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    return tuple(_USER_ERRORS)
 
 
 def one_line(exc: BaseException) -> str:

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gwt_optim.toolkit.errors import register_user_error
+
 __all__ = [
     "TrainConfig",
     "Callback",
@@ -66,6 +68,7 @@ __all__ = [
 ]
 
 
+@register_user_error  # errors imports no toolkit module: the type joins it here
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the run stopped before the
     optimizer could apply the bad step, and no checkpoint was written."""

@@ -57,6 +57,11 @@ from gwt_optim.toolkit.data.sources import (
     load_texts,
 )
 from gwt_optim.toolkit.data.tokenizers import bpe_tokenizer, demo_tokenizer, load_pretrain_tokenizer
+from gwt_optim.toolkit.errors import register_user_error
+
+# errors imports no toolkit module, so the data's user error joins it here;
+# every import of the sources runs this package first.
+register_user_error(DataUnavailable)
 
 __all__ = [
     "DataUnavailable",
