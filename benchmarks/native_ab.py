@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from step import environment, llama_shapes  # noqa: E402
 
 from gwt_optim import GWTAdamW  # noqa: E402
-from gwt_optim.optim import _fused  # noqa: E402
+from gwt_optim.optim import _native, _toolchain  # noqa: E402
 
 SOURCE = "src/gwt_optim/optim/_fused_cpu.c"
 
@@ -49,13 +49,13 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     c = directory / f"{name}.c"
     c.write_text(source)
     so = directory / f"{name}.so"
-    subprocess.run([_fused._compiler(), *_fused._FLAG_SETS[0], *_fused._COMMON_FLAGS, "-o", str(so), str(c)],
-                   check=True)
+    subprocess.run([_toolchain._compiler(), *_toolchain._FLAG_SETS[0], *_toolchain._COMMON_FLAGS, "-o", str(so),
+                    str(c)], check=True)
     lib = ctypes.CDLL(str(so))
-    for suffix in _fused._DTYPE_SUFFIX.values():
+    for suffix in _native._DTYPE_SUFFIX.values():
         steps = getattr(lib, f"gwt_adamw_haar_steps_{suffix}")
         steps.restype = None
-        steps.argtypes = [ctypes.POINTER(_fused._Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+        steps.argtypes = [ctypes.POINTER(_native._Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                           ctypes.c_int, ctypes.c_int64]
     return lib
 
@@ -72,7 +72,7 @@ def optimizer(kind: str, shapes: list, lib: ctypes.CDLL | None, warmup: int):
     if lib is not None:
         opt.step()  # makes the backend
         backend = opt._kernels._backend("native")
-        backend._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _fused._DTYPE_SUFFIX.items()}
+        backend._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _native._DTYPE_SUFFIX.items()}
     for _ in range(warmup):
         opt.step()
     return opt, params

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim.optim import _fused, _native
 
 
 def _native_or_skip():
@@ -201,8 +201,8 @@ def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, sh
     # Two workspace slots per thread, each the size of the largest moments:
     # with eight equal weights on two threads that is half the moments.
     _native_or_skip()
-    monkeypatch.setattr(_fused, "_PIPELINE_WORKSPACE_SHARE", share)
-    monkeypatch.setattr(_fused, "_PIPELINE_WORKSPACE_BYTES", 0)
+    monkeypatch.setattr(_native, "_PIPELINE_WORKSPACE_SHARE", share)
+    monkeypatch.setattr(_native, "_PIPELINE_WORKSPACE_BYTES", 0)
     params = [torch.nn.Parameter(torch.randn(16, 64)) for _ in range(8)]
     opt = GWTAdamW(params, lr=1e-2, compile=True)
     for p in params:
@@ -362,7 +362,7 @@ def test_bad_compile_option_is_rejected():
 
 
 def test_compile_false_never_builds_kernels(monkeypatch, count_fused):
-    monkeypatch.setattr(_fused, "native_library", lambda: pytest.fail("built a kernel"))
+    monkeypatch.setattr(_native, "native_library", lambda: pytest.fail("built a kernel"))
     _run(torch.randn(4, 16), [torch.randn(4, 16)], level=2, compile=False)
     assert count_fused == {}
 
@@ -371,7 +371,7 @@ def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monke
     def no_compiler():
         raise _fused.KernelUnavailable("no C compiler (test)")
 
-    monkeypatch.setattr(_fused, "native_library", no_compiler)
+    monkeypatch.setattr(_native, "native_library", no_compiler)
     W0, grads = _problem((4, 16), 3, torch.float32)
     with pytest.warns(RuntimeWarning, match="no C compiler") as record:
         auto, _ = _run(W0, grads, lr=1e-2)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim.optim import _native, _toolchain
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership and permissions")
 
@@ -40,8 +40,8 @@ __attribute__((constructor)) static void planted(void) {
 
 def _cc() -> str:
     try:
-        return _fused._compiler()
-    except _fused.KernelUnavailable as exc:
+        return _toolchain._compiler()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 
@@ -52,7 +52,7 @@ _QUICK_FLAGS = (["-O0"],)
 
 @pytest.fixture(autouse=True)
 def quick_builds(monkeypatch):
-    monkeypatch.setattr(_fused, "_FLAG_SETS", _QUICK_FLAGS)
+    monkeypatch.setattr(_toolchain, "_FLAG_SETS", _QUICK_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +61,11 @@ def built(tmp_path_factory) -> Path:
     (one build for the module instead of one per test)."""
     cache = tmp_path_factory.mktemp("seed")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_fused, "_FLAG_SETS", _QUICK_FLAGS)
+        mp.setattr(_toolchain, "_FLAG_SETS", _QUICK_FLAGS)
         mp.setenv("GWT_OPTIM_CACHE", str(cache))
         try:
-            _fused.native_library.__wrapped__()
-        except _fused.KernelUnavailable as exc:
+            _native.native_library.__wrapped__()
+        except _toolchain.KernelUnavailable as exc:
             pytest.skip(f"no C compiler for the native kernels: {exc}")
     return cache / "kernels"
 
@@ -81,7 +81,7 @@ def _library(kernels: Path) -> tuple[Path, str]:
     """The cached library the digest file names, and that digest."""
     (pointer,) = kernels.glob("adamw_haar_*.sha256")
     digest = pointer.read_text().strip()
-    return _fused._library_path(kernels, pointer.name[: -len(".sha256")], digest), digest
+    return _toolchain._library_path(kernels, pointer.name[: -len(".sha256")], digest), digest
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def _load(monkeypatch, cache: Path):
     monkeypatch.setenv("GWT_OPTIM_CACHE", str(cache))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lib = _fused.native_library.__wrapped__()
+        lib = _native.native_library.__wrapped__()
     assert lib.gwt_bf16_max_level() == 11  # the real kernels, bound and callable
     return lib, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
@@ -146,7 +146,7 @@ def test_a_symlinked_library_file_is_rebuilt_not_followed(monkeypatch, tmp_path,
     (pointer,) = kernels.glob("adamw_haar_*.sha256")
     # a link named by its target's digest, which the digest file names: only the link gives it away
     digest = hashlib.sha256(planted_lib.read_bytes()).hexdigest()
-    _fused._library_path(kernels, pointer.name[: -len(".sha256")], digest).symlink_to(planted_lib)
+    _toolchain._library_path(kernels, pointer.name[: -len(".sha256")], digest).symlink_to(planted_lib)
     pointer.write_text(digest + "\n")
     lib, warned = _load(monkeypatch, tmp_path / "cache")
     assert not marker.exists(), "the library behind the link was loaded"
@@ -223,7 +223,7 @@ def test_a_build_is_published_into_the_checked_directory(monkeypatch, tmp_path):
             swapped.append(cmd)
         return out
 
-    monkeypatch.setattr(_fused.subprocess, "run", run)
+    monkeypatch.setattr(_toolchain.subprocess, "run", run)
     lib, warned = _load(monkeypatch, cache)
     assert swapped and warned == []
     assert list(elsewhere.iterdir()) == []
@@ -320,13 +320,13 @@ def test_an_empty_read_only_kernel_cache_builds_privately_with_one_warning(monke
             opt.step()
         return W.detach(), opt
 
-    _fused.native_library.cache_clear()
+    _native.native_library.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             native, opt = train(compile=True)  # a failed build raises: so it built
     finally:
-        _fused.native_library.cache_clear()
+        _native.native_library.cache_clear()
         _undo_read_only(kernels, how)
     warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(warned) == 1, warned

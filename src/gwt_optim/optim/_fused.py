@@ -1,4 +1,5 @@
-r"""Fused kernels for the GWT-AdamW step with the Haar wavelet.
+r"""Fused kernels for the GWT-AdamW step with the Haar wavelet: the backend
+protocol, the state checks, and the choice of a backend.
 
 The generic fast path (:mod:`gwt_optim.optim._base`) runs the closed-form
 Haar step as a dozen eager tensor operations per parameter, many of them
@@ -21,64 +22,43 @@ all-reduce). Two backends implement the phases; both are tested against the
 reference path:
 
 ``"native"`` (CPU)
-    A small C library (``_fused_cpu.c``) built on first use with the system C
-    compiler, the same requirement as ``torch.compile`` on CPU, cached on disk
-    (:func:`cache_dir`) and called through :mod:`ctypes`. It runs on the
-    OpenMP thread pool torch already uses. Phase 1 also stores :math:`d` and
-    :math:`h (M-A) d` in an :math:`A`-sized workspace, so phase 2 is a single
-    multiply-add pass, run right after phase 1 while the gradient and the
-    workspace are still in cache: the step reads :math:`G` and :math:`W` from
-    memory once (about 16 bytes per fp32 parameter at level 2, against
-    AdamW's 28). The whole steps of all parameters that need no collective
-    run in one call, each parameter on one thread when there are at least two
-    per thread (one OpenMP fork and join per optimizer step; a per-tensor
-    parallel loop stalls at every join when other processes hold a core),
-    each thread's phase 2 interleaved with the next parameter's phase 1.
-    float32 and float64, and bf16 weights and gradients with float32 moments
-    (levels up to 11: rows are converted in segments of whole blocks); float32
-    blocks of 2 and 4 entries use AVX2 where the CPU has it.
+    :mod:`gwt_optim.optim._native`: a small C library (``_fused_cpu.c``)
+    called through :mod:`ctypes`, which runs the whole steps of many
+    parameters in one call. :mod:`gwt_optim.optim._toolchain` builds it on
+    first use with the system C compiler and keeps it in a checked on-disk
+    cache (:func:`~gwt_optim.optim._toolchain.cache_dir`).
 ``"triton"`` (CUDA)
     :mod:`gwt_optim.optim._triton`: every transformed weight of a bucket in
     three launches per step over pointer tables (phase 1, a deterministic
     limiter on the device, phase 2), with no host synchronization.
 
-(An earlier ``"inductor"`` backend, the two phases as ``torch.compile``
-functions, was removed once Triton covered CUDA: it was a fourth copy of the
-rule, slower to start and host-bound.)
+Level 0 (plain AdamW) on CPU also takes :class:`FusedAdamWBackend`, which
+hands it to ``torch._fused_adamw_``. Parameters that no backend takes (other
+dtypes, non-contiguous tensors) take the generic fast path.
 
-Parameters that no backend takes (other dtypes, non-contiguous tensors)
-take the generic fast path.
-
-Every backend follows :class:`FusedBackend`. Kernels index the moments by the
-parameter's shape, so the optimizer checks each parameter's state with
-:func:`check_state` before any backend sees it. A gradient holding a NaN or an
-infinity leaves that parameter's weight and state unchanged (its step count
-still advances), on every path: the native kernels find it in a first pass
-over the gradient, before they change anything.
+This module holds what the optimizer sees of them: the :class:`FusedBackend`
+protocol that every backend follows, :func:`state_problem` (the optimizer
+checks each parameter's state with it before any backend sees that state:
+kernels index the moments by the parameter's shape), and
+:class:`AdamWHaarKernels`, which picks and builds a backend per parameter.
+A gradient holding a NaN or an infinity leaves that parameter's weight and
+state unchanged (its step count still advances), on every path: the native
+kernels find it in a first pass over the gradient, before they change
+anything.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import itertools
 import math
-import os
-import platform
-import re
-import shutil
-import subprocess
-import tempfile
 import warnings
-import weakref
-from pathlib import Path
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from gwt_optim import _cache, wavelets
+from gwt_optim import wavelets
+from gwt_optim.optim._native import NativeBackend, native_library
+from gwt_optim.optim._toolchain import KernelUnavailable
 
 __all__ = [
     "BACKENDS",
@@ -92,16 +72,12 @@ __all__ = [
 ]
 
 
-class KernelUnavailable(RuntimeError):
-    """A fused backend cannot run here (no compiler, no Triton, ...)."""
-
-
 class FusedBackend(Protocol):
     """A fused kernel backend for the transformed Haar GWT-AdamW step.
 
     :meth:`GWTOptimizer._fused_kernel <gwt_optim.optim._base.GWTOptimizer._fused_kernel>`
     returns one for a parameter it takes. The optimizer has checked the state
-    with :func:`check_state` before calling any method with it.
+    with :func:`state_problem` before calling any method with it.
 
     A batched backend may also provide ``step_batches(batches, limiter_eps,
     *, key)``: ``step_many`` for one of the optimizer's plans, a list of
@@ -205,536 +181,15 @@ def check_state(
     param: Tensor, grad: Tensor, state: dict, level: int, moment_dtype: torch.dtype, name: str = "a parameter"
 ) -> None:
     """Raise ``ValueError`` naming ``name`` unless the fused kernels may take
-    this state (see :func:`state_problem`)."""
+    this state (see :func:`state_problem`). The optimizer does not call it:
+    it asks :func:`state_problem` and words its own error; this is for
+    callers that want the check as an exception (the tests)."""
     problem = state_problem(param, grad, state, level, moment_dtype)
     if problem is not None:
         raise ValueError(f"{name}: {problem}")
 
 
-# --------------------------------------------------------------- native --- #
-
-_SOURCE = Path(__file__).with_name("_fused_cpu.c")
-# Tried in order: the fastest flags first, then without the ones a compiler
-# may lack (-march=native on some ARM toolchains, OpenMP on Apple clang; the
-# kernels then run on one thread).
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp"],
-    ["-O3", "-fopenmp"],
-    ["-O3", "-march=native"],
-    ["-O3"],
-)
-# Vectorizing the selects around divisions needs -fno-trapping-math; the
-# kernels never read floating-point exception flags or errno.
-_COMMON_FLAGS = ["-std=gnu11", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-Wno-unknown-pragmas"]
-# Weight (and gradient) dtype -> the kernels' suffix, and the dtype of their
-# moments and workspace: bf16 weights keep float32 moments.
-_DTYPE_SUFFIX = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
-_STATE_DTYPE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
-
-
-class _Hyper(ctypes.Structure):
-    """Mirror of ``gwt_hyper`` in ``_fused_cpu.c``."""
-
-    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip")]
-
-
-class _Task(ctypes.Structure):
-    """Mirror of ``gwt_task`` in ``_fused_cpu.c``: one parameter's whole step."""
-
-    _fields_ = [
-        ("w", ctypes.c_void_p),
-        ("g", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("rows", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("level", ctypes.c_int32),
-        ("first", ctypes.c_int32),
-        ("skipped", ctypes.c_int32),
-        ("gamma", ctypes.c_double),
-        ("limiter_eps", ctypes.c_double),
-        ("snorm", ctypes.c_void_p),
-        ("hyper", _Hyper),
-    ]
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: the ``kernels`` folder of the one cache
-    rule (:mod:`gwt_optim._cache`), ``~/.cache/gwt-optim/kernels`` by default."""
-    return _cache.cache_dir("kernels")
-
-
-def _compiler() -> str:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    raise KernelUnavailable(
-        "the fused CPU kernels need a C compiler and none was found (set $CC, or install gcc/clang, "
-        "e.g. apt-get install gcc); pass compile=False to use the eager path"
-    )
-
-
-def _host_fingerprint(cc: str) -> str:
-    """What a ``-march=native`` build depends on: compiler version and CPU features."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                cpu += line
-                break
-    except OSError:
-        pass
-    return version + cpu
-
-
-@functools.lru_cache(maxsize=None)
-def _private_dir() -> Path:
-    """A fresh directory only this process's user can use (mode 0700)."""
-    import atexit
-
-    directory = Path(tempfile.mkdtemp(prefix="gwt_optim-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return directory
-
-
-def _open_private_dir() -> tuple[Path, int]:
-    """:func:`_private_dir`, opened and checked as the cache is: path and descriptor."""
-    try:
-        return _cache.open_private_dir(_private_dir())
-    except (_cache.UnsafePath, OSError) as exc:
-        raise KernelUnavailable(
-            f"no private folder for the fused CPU kernels ({exc}); set $TMPDIR to a folder only you can "
-            "write to, or pass compile=False to use the eager path"
-        ) from exc
-
-
-def _fall_back(directory: Path, reason: str) -> tuple[Path, int]:
-    private, fd = _open_private_dir()
-    warnings.warn(
-        f"GWT: not caching the fused CPU kernels in {directory} ({reason}); building them in {private} "
-        "for this process only. Set $GWT_OPTIM_CACHE to a directory only you can write to",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return private, fd
-
-
-def _kernel_dir() -> tuple[Path, int]:
-    """:func:`cache_dir` when it is this user's alone (see
-    :func:`gwt_optim._cache.open_private_dir`), else a private temporary
-    directory: its path and an open descriptor, which the caller closes."""
-    if not _cache.SECURE_OPEN:
-        raise KernelUnavailable(
-            "loading the fused CPU kernels safely needs POSIX openat and O_NOFOLLOW, which this platform "
-            "lacks; pass compile=False to use the eager path"
-        )
-    try:
-        # Our own default cache may have been created group-writable under a umask of 002.
-        return _cache.open_private_dir(_cache.cache_root(), "kernels", repair="GWT_OPTIM_CACHE" not in os.environ)
-    except _cache.UnsafePath as exc:
-        reason = str(exc)
-    except OSError as exc:
-        reason = f"it cannot be used: {exc}"
-    return _fall_back(cache_dir(), reason)
-
-
-def _library_path(directory: Path, name: str, digest: str) -> Path:
-    # Named by content, so that a concurrent build never replaces the file a
-    # digest names with another build (compilers need not be deterministic).
-    return directory / f"{name}-{digest[:16]}.so"
-
-
-# What a missing, stale, foreign or broken cached library raises on loading.
-_LOAD_ERRORS = (OSError, ValueError, AttributeError, _cache.UnsafePath)
-_copies = itertools.count()
-
-
-def _load_checked(dir_fd: int, directory: Path, name: str) -> ctypes.CDLL:
-    """Open the library the digest file ``name.sha256`` names in the checked
-    kernels folder ``dir_fd`` (shown as ``directory``), check it, and load
-    exactly the bytes checked.
-
-    dlopen takes a path and opens it again, so it never sees the cache: the
-    bytes read through one descriptor (a regular file of this user's, no
-    link) are hashed, written to a new file in this process's private folder
-    and that file is loaded, through that folder's descriptor where /proc
-    allows. A file swapped in at the cache's path after the check never loads,
-    nor does a truncated one (it would SIGBUS the process when it maps the
-    missing pages). Raises one of :data:`_LOAD_ERRORS`.
-    """
-    pointer = directory / f"{name}.sha256"
-    digest = _cache.read_private_file(dir_fd, pointer.name, pointer).decode("ascii", "replace").strip()
-    if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise ValueError(f"{pointer} holds no SHA-256 digest")
-    path = _library_path(directory, name, digest)
-    data = _cache.read_private_file(dir_fd, path.name, path)
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise ValueError(f"{path} no longer matches its digest")
-    private, fd = _open_private_dir()
-    try:
-        # A new name for every load: dlopen hands back whatever library it
-        # already loaded under a name, without opening the file.
-        copy = f"loaded-{os.getpid()}-{next(_copies)}-{path.name}"
-        _cache.write_private_file(fd, copy, data, mode=0o700)
-        via_fd = f"/proc/self/fd/{fd}"
-        lib = ctypes.CDLL(f"{via_fd}/{copy}" if os.path.isdir(via_fd) else str(private / copy))
-    finally:
-        os.close(fd)
-    lib._name = str(path)  # the file it was checked as, for messages: the copy is gone at exit
-    return _bind(lib)
-
-
-def _build_library(cc: str) -> bytes:
-    """Compile ``_fused_cpu.c`` with the first flag set that works; the library's bytes.
-
-    The compiler writes by path, so it writes into a fresh private folder;
-    :func:`_publish` copies the result into the cache through its descriptor."""
-    errors = []
-    with tempfile.TemporaryDirectory(prefix="gwt_optim-build-") as work:
-        out = os.path.join(work, "kernels.so")
-        for flags in _FLAG_SETS:
-            proc = subprocess.run([cc, *flags, *_COMMON_FLAGS, "-o", out, str(_SOURCE)], capture_output=True, text=True)
-            if proc.returncode == 0:
-                with open(out, "rb") as f:
-                    return f.read()
-            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-    raise KernelUnavailable(
-        f"building the fused CPU kernels with {cc} failed; pass compile=False to use the eager path. "
-        + "\n".join(errors)
-    )
-
-
-def _publish(dir_fd: int, name: str, data: bytes) -> None:
-    """Write a build, then the digest file naming it, into the kernels folder
-    ``dir_fd``, each atomically: concurrent processes (pytest -n, torchrun)
-    may build the same library at once."""
-    digest = hashlib.sha256(data).hexdigest()
-    _cache.write_private_file(dir_fd, _library_path(Path(), name, digest).name, data, mode=0o755)
-    _cache.write_private_file(dir_fd, f"{name}.sha256", f"{digest}\n".encode())
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name in _DTYPE_SUFFIX.values():
-        p1 = getattr(lib, f"gwt_adamw_haar_phase1_{name}")
-        p1.restype = ctypes.c_double
-        p1.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2 = getattr(lib, f"gwt_adamw_haar_phase2_{name}")
-        p2.restype = None
-        p2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2c = getattr(lib, f"gwt_adamw_haar_phase2_clip_{name}")
-        p2c.restype = None
-        p2c.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
-        steps.restype = None
-        steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.gwt_bf16_max_level.restype = ctypes.c_int
-    lib.gwt_bf16_max_level.argtypes = []
-    return lib
-
-
-@functools.lru_cache(maxsize=None)
-def native_library() -> ctypes.CDLL:
-    """Build (once per host and source version) and load the fused CPU kernels.
-
-    The library is cached in :func:`cache_dir` beside its SHA-256, opened
-    through that folder's checked descriptor and verified before every load
-    (:func:`_load_checked`); a missing, stale or unfit library is rebuilt once.
-    When another user could write there, or it is no folder, the kernels are
-    built in a private temporary directory instead, and so they are when it
-    cannot be written (one warning each: training still gets its kernels).
-    Raises :class:`KernelUnavailable` with the compiler's message when no
-    flag set compiles.
-    """
-    cc = _compiler()
-    source = _SOURCE.read_text()
-    key = hashlib.sha256((source + _host_fingerprint(cc) + repr(_FLAG_SETS + (_COMMON_FLAGS,))).encode()).hexdigest()[:20]
-    name = f"adamw_haar_{key}"
-    directory, fd = _kernel_dir()
-    try:
-        try:
-            return _load_checked(fd, directory, name)
-        except _LOAD_ERRORS:
-            pass
-        data = _build_library(cc)
-        try:
-            _publish(fd, name, data)
-        except OSError as exc:  # a read-only cache (or a full disk): training still gets its kernels
-            os.close(fd)
-            fd = -1
-            directory, fd = _fall_back(directory, f"it cannot be written: {exc.strerror or exc}")
-            try:
-                _publish(fd, name, data)
-            except OSError as again:
-                raise KernelUnavailable(
-                    f"writing the fused CPU kernels to {directory} failed ({again}); "
-                    "pass compile=False to use the eager path"
-                ) from again
-        try:
-            return _load_checked(fd, directory, name)
-        except _LOAD_ERRORS as exc:
-            raise KernelUnavailable(
-                f"loading the fused CPU kernels from {directory} failed after a rebuild ({exc}); "
-                "pass compile=False to use the eager path"
-            ) from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-# The pipelined batched step's workspace (two slots per thread) may be this
-# share of the moments it steps, or this many bytes, whichever is more;
-# beyond, the parameters run in turn on one slot.
-_PIPELINE_WORKSPACE_SHARE = 0.25
-_PIPELINE_WORKSPACE_BYTES = 256 << 20
-# An OpenMP region costs a few microseconds; below this many entries per
-# thread, more threads are slower.
-_MIN_ENTRIES_PER_THREAD = 1 << 15
-
-
-def _clip(group: dict) -> float:
-    """detail_clip as the kernels take it: 0 when off."""
-    clip = group.get("detail_clip")
-    return 0.0 if clip is None else float(clip)
-
-
-class _NativeCarry:
-    """What native phase 1 leaves for phase 2: the (d, t) workspace, as the
-    buffer holding it and two addresses, and the hyperparameters."""
-
-    __slots__ = ("buffer", "d", "t", "hyper", "m", "__weakref__")
-
-    def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper, m: int) -> None:
-        # m: the first moment's address, which the clipped phase 2 reads
-        self.buffer, self.d, self.t, self.hyper, self.m = buffer, d, t, hyper, m
-
-
-class _NativeTasks:
-    """One weight dtype's whole steps for ``gwt_adamw_haar_steps_*``: its
-    ParamSteps (largest first) and their task array, whether the kernel
-    pipelines them one parameter per thread (see ``_fused_cpu.c``), and the
-    workspace entries of one slot."""
-
-    __slots__ = ("dtype", "steps", "tasks", "pipelined", "stride")
-
-    def __init__(self, dtype: torch.dtype, steps: list, tasks: ctypes.Array, pipelined: bool, stride: int) -> None:
-        self.dtype, self.steps, self.tasks, self.pipelined, self.stride = dtype, steps, tasks, pipelined, stride
-
-
-class NativeBackend:
-    """The C kernels of ``_fused_cpu.c`` (CPU, float32/float64).
-
-    Besides the two phases (for parameters whose phase 2 waits for a
-    collective), it runs whole steps of many parameters in one call
-    (:meth:`step_many`, ``batched = True``).
-    """
-
-    name = "native"
-    batched = True
-    detail_clip = True  # a hyperparameter of phase 2 (0 when off)
-
-    def __init__(self) -> None:
-        lib = native_library()
-        self._phase1 = {dt: getattr(lib, f"gwt_adamw_haar_phase1_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
-        self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
-        self._phase2_clip = {dt: getattr(lib, f"gwt_adamw_haar_phase2_clip_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
-        self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
-        # bf16 rows are converted a segment of whole blocks at a time, which bounds the block.
-        self._bf16_max_level = lib.gwt_bf16_max_level()
-        # The task arrays of the optimizer's step plan (step_batches), kept
-        # while it hands over the same StepBatch list: filling one ctypes
-        # struct per parameter per step costs more than the kernel on small
-        # weights.
-        # Per plan key (see step_batches): the list, the threads and limiter
-        # eps the arrays were made for, the StepBatch of each ParamStep, and
-        # the task arrays.
-        self._plans: dict[Hashable, tuple[list, tuple, dict[int, Any], list[_NativeTasks]]] = {}
-        self._batch_workspace: dict[torch.dtype, Tensor] = {}
-        # One workspace per dtype, reused by every parameter whose phase 2 runs
-        # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
-        # on every step would page-fault on each use. _owner is the carry
-        # using it; while that carry waits for its phase 2, others get their own.
-        self._workspace: dict[torch.dtype, Tensor] = {}
-        self._owner: dict[torch.dtype, weakref.ref] = {}
-
-    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        return (
-            w.device.type == "cpu"
-            and w.dtype in _DTYPE_SUFFIX
-            and G.dtype == w.dtype
-            and moment_dtype == _STATE_DTYPE[w.dtype]
-            and (w.dtype != torch.bfloat16 or level <= self._bf16_max_level)
-            and w.is_contiguous()
-            and G.is_contiguous()
-        )
-
-    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
-        """Nothing to do: the library was built in ``__init__``."""
-
-    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, bool]:
-        """A workspace of numel entries, and whether it is the shared one."""
-        owner = self._owner.get(dtype)
-        if owner is not None and owner() is not None:
-            return torch.empty(numel, dtype=dtype), False
-        buf = self._workspace.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = self._workspace[dtype] = torch.empty(numel, dtype=dtype)
-        return buf, True
-
-    @staticmethod
-    def _threads(numel: int, rows: int) -> int:
-        return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
-
-    def step_many(self, steps: list, limiter_eps: float) -> list:
-        """Whole steps (phase 1, limiter, phase 2) of many parameters; returns
-        those skipped for a non-finite gradient (weight and state unchanged).
-
-        ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._base.ParamStep`
-        of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
-        ``decay`` = 1 - lr * weight_decay. The kernels read and write the
-        limiter's norm ``state["limiter_norm"]`` in place.
-        """
-        threads = torch.get_num_threads()
-        scalars = {id(ps): (scale, decay) for ps, scale, decay in steps}
-        planned = self._tasks([ps for ps, _, _ in steps], threads, limiter_eps)
-        return self._run(planned, lambda ps: scalars[id(ps)], threads)
-
-    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
-        """:meth:`step_many` for one of the optimizer's plans (a list of
-        :class:`~gwt_optim.optim._base.StepBatch`; ``key`` names the plan, and
-        a new list under a key replaces the old one): the task arrays are made
-        once per list, and afterwards only the gradients' addresses and the
-        per-step scalars are written into them."""
-        threads = torch.get_num_threads()
-        cached = self._plans.get(key)
-        if cached is None or cached[0] is not batches or cached[1] != (threads, limiter_eps):
-            batch_of = {id(ps): b for b in batches for ps in b.steps}
-            planned = self._tasks([ps for b in batches for ps in b.steps], threads, limiter_eps)
-            cached = self._plans[key] = (batches, (threads, limiter_eps), batch_of, planned)
-        _, _, batch_of, planned = cached
-        return self._run(planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
-
-    def invalidate(self) -> None:
-        """Forget the task arrays kept for the optimizer's plans."""
-        self._plans.clear()
-
-    def _tasks(self, steps: list, threads: int, limiter_eps: float) -> list[_NativeTasks]:
-        """The task arrays of these ParamSteps, one per weight dtype, largest
-        parameter first (so that the dynamic schedule ends evenly), with
-        everything but what :meth:`_run` writes on every step."""
-        by_dtype: dict[torch.dtype, list] = {}
-        for ps in steps:
-            by_dtype.setdefault(ps.param.dtype, []).append(ps)
-        planned = []
-        for dtype, group in by_dtype.items():
-            group.sort(key=lambda ps: -ps.grad.numel())
-            tasks = (_Task * len(group))()
-            ws_numel = 0
-            for task, ps in zip(tasks, group):
-                G, M = ps.grad, ps.state["exp_avg"]
-                n = G.shape[-1]
-                task.w, task.m, task.v = ps.param.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
-                task.rows, task.n = (G.numel() // n if n else 0), n
-                task.level = ps.level
-                task.limiter_eps = limiter_eps
-                task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
-                ws_numel = max(ws_numel, 2 * M.numel())
-            # One parameter per thread when there are enough to share out and
-            # none would keep one thread busy after the others are done, and
-            # the two workspace slots per thread (each as big as the largest
-            # parameter's moments) stay small: next to the moments, or in
-            # bytes (LLaMA-7B at 64 threads would need 12 GB of them);
-            # otherwise one after the other, each split by rows (one slot).
-            sizes = [ps.grad.numel() for ps in group]
-            moments = sum(2 * ps.state["exp_avg"].numel() for ps in group)
-            itemsize = _STATE_DTYPE[dtype].itemsize
-            allowed = max(_PIPELINE_WORKSPACE_SHARE * moments, _PIPELINE_WORKSPACE_BYTES / itemsize)
-            pipelined = (len(group) >= 2 * threads and sizes[0] * threads <= sum(sizes)
-                         and 2 * threads * ws_numel <= allowed)
-            planned.append(_NativeTasks(dtype, group, tasks, pipelined, ws_numel))
-        return planned
-
-    def _run(self, planned: list[_NativeTasks], scalars: Callable[[Any], tuple[float, float]], threads: int) -> list:
-        """Write this step's gradients and scalars into the task arrays, run
-        them, and return the ParamSteps skipped for a non-finite gradient."""
-        skipped = []
-        for entry in planned:
-            hypers: dict[tuple, _Hyper] = {}
-            for task, ps in zip(entry.tasks, entry.steps):
-                group = ps.group
-                scale, decay = scalars(ps)
-                # Steps, lr and decay are almost always shared: one struct each
-                # (a group's 1-D weights step at level 0, its matrices at its level).
-                key = (id(group), ps.level, ps.step, scale, decay)
-                hyper = hypers.get(key)
-                if hyper is None:
-                    beta1, beta2 = group["betas"]
-                    hyper = hypers[key] = _Hyper(
-                        h=2.0 ** (-ps.level / 2),
-                        w1=1.0 - beta1,
-                        beta2=beta2,
-                        eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
-                        scale=scale,
-                        decay=decay,
-                        clip=_clip(group),
-                    )
-                task.hyper = hyper
-                task.g = ps.grad.data_ptr()  # gradients are new tensors on most steps
-                task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
-                task.first = ps.step == 1
-            needed = entry.stride * (2 * threads if entry.pipelined else 1)
-            state_dtype = _STATE_DTYPE[entry.dtype]
-            buf = self._batch_workspace.get(state_dtype)
-            if buf is None or buf.numel() < needed:
-                buf = self._batch_workspace[state_dtype] = torch.empty(needed, dtype=state_dtype)
-            self._steps[entry.dtype](entry.tasks, len(entry.steps), buf.data_ptr(), entry.stride, threads,
-                                     int(entry.pipelined), _MIN_ENTRIES_PER_THREAD)
-            skipped += [ps for task, ps in zip(entry.tasks, entry.steps) if task.skipped]
-        return skipped
-
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
-        beta1, beta2 = group["betas"]
-        M, V = state["exp_avg"], state["exp_avg_sq"]
-        n = G.shape[-1]
-        numel = G.numel()
-        rows = numel // n if n else 0
-        buf, shared = self._buffer(2 * M.numel(), M.dtype)
-        d = buf.data_ptr()
-        t = d + M.numel() * buf.element_size()
-        hyper = _Hyper(
-            h=2.0 ** (-level / 2),
-            w1=1.0 - beta1,
-            beta2=beta2,
-            eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
-            clip=_clip(group),
-        )
-        norm_sq = self._phase1[G.dtype](
-            G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
-        )
-        carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
-        if shared:
-            self._owner[M.dtype] = weakref.ref(carry)
-        return norm_sq, carry
-
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
-        n = G.shape[-1]
-        numel = G.numel()
-        rows = numel // n if n else 0
-        hyper = carry.hyper
-        hyper.scale = scale / float(r)
-        hyper.decay = decay
-        threads = self._threads(numel, rows)
-        if hyper.clip > 0:
-            self._phase2_clip[w.dtype](
-                w.data_ptr(), G.data_ptr(), carry.m, carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
-            )
-        else:
-            self._phase2[w.dtype](
-                w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
-            )
-        owner = self._owner.get(carry.buffer.dtype)
-        if owner is not None and owner() is carry:
-            del self._owner[carry.buffer.dtype]
+# ------------------------------------------------------ level 0 on CPU --- #
 
 
 class FusedAdamWBackend:
@@ -930,3 +385,4 @@ class AdamWHaarKernels:
             self._backends.pop(name, None)
             return None
         return backend
+

@@ -21,8 +21,8 @@ limiter (grid: parameters)
     return (no new tensor, no extra launch per step).
 phase 2 (grid: chunks)
     Recomputes :math:`A` and the new moments from :math:`G`, :math:`M`,
-    :math:`V` (as the Inductor backend does: about 22 bytes per fp32
-    parameter at level 2, against fused AdamW's 28), stores the moments and
+    :math:`V` (about 22 bytes per fp32 parameter at level 2, against fused
+    AdamW's 28), stores the moments and
     :math:`W \leftarrow W (1 - \eta\lambda) - s\,(h M_k d_k +
     \mathrm{clip}((G_i - h A_k) d_k, -c, c))`, :math:`s = \eta c_t \alpha / r`.
 
