@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim._family import transform_defaults
 
 __all__ = ["GWTAdafactor", "DETAIL_NORMS"]
 
@@ -119,19 +120,9 @@ class GWTAdafactor(GWTOptimizer):
         compile: bool | None = None,
     ) -> None:
         defaults = dict(
-            lr=lr,
-            beta2_decay=beta2_decay,
-            eps=tuple(eps),
-            d=d,
-            weight_decay=weight_decay,
-            level=level,
-            wavelet=wavelet,
-            scale=scale,
-            norm_growth_limit=norm_growth_limit,
-            beta1=beta1,
-            relative_step=relative_step,
-            detail_norm=detail_norm,
-            moment_dtype=moment_dtype,
+            lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
+            **transform_defaults(level, wavelet, scale, norm_growth_limit),
+            beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

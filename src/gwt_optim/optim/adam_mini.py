@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim._family import transform_defaults
 
 __all__ = ["GWTAdamMini", "adam_mini_block", "adam_mini_param_groups", "BLOCKS"]
 
@@ -159,17 +160,9 @@ class GWTAdamMini(GWTOptimizer):
         compile: bool | None = None,
     ) -> None:
         defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            level=level,
-            wavelet=wavelet,
-            scale=scale,
-            norm_growth_limit=norm_growth_limit,
-            moment_dtype=moment_dtype,
-            block=block,
-            head_dim=head_dim,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            **transform_defaults(level, wavelet, scale, norm_growth_limit),
+            moment_dtype=moment_dtype, block=block, head_dim=head_dim,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

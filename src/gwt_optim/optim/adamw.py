@@ -55,6 +55,7 @@ from torch import Tensor
 
 from gwt_optim.optim import _fused, _quant
 from gwt_optim.optim._base import GWTOptimizer, _safe_div
+from gwt_optim.optim._family import transform_defaults
 
 __all__ = ["GWTAdamW"]
 
@@ -114,16 +115,9 @@ class GWTAdamW(GWTOptimizer):
         compile: bool | None = None,
     ) -> None:
         defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            level=level,
-            wavelet=wavelet,
-            scale=scale,
-            norm_growth_limit=norm_growth_limit,
-            detail_clip=detail_clip,
-            moment_dtype=moment_dtype,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            **transform_defaults(level, wavelet, scale, norm_growth_limit),
+            detail_clip=detail_clip, moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
         self._kernels: _fused.AdamWHaarKernels | None = None

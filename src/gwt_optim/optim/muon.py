@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim._family import transform_defaults
 from gwt_optim.optim.adamw import GWTAdamW
 
 __all__ = ["GWTMuon", "zeropower_via_newtonschulz", "NS_COEFFICIENTS", "NS_DTYPES", "adjust_lr_ratio"]
@@ -162,23 +163,10 @@ class GWTMuon(GWTOptimizer):
         compile: bool | None = None,
     ) -> None:
         defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            level=level,
-            wavelet=wavelet,
-            scale=scale,
-            norm_growth_limit=norm_growth_limit,
-            ns_coefficients=tuple(ns_coefficients),
-            ns_steps=ns_steps,
-            ns_eps=ns_eps,
-            ns_dtype=ns_dtype,
-            adjust_lr_fn=adjust_lr_fn,
-            betas=betas,
-            eps=eps,
-            use_muon=use_muon,
-            moment_dtype=moment_dtype,
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            **transform_defaults(level, wavelet, scale, norm_growth_limit),
+            ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
+            adjust_lr_fn=adjust_lr_fn, betas=betas, eps=eps, use_muon=use_muon, moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

@@ -1,0 +1,25 @@
+"""What every GWT family module shares and :mod:`gwt_optim.optim._base` does not
+own: a family's constructor builds its ``defaults`` with it.
+
+Kept out of the base so that the base holds the step, and the families'
+conventions sit in one small place that only the family modules import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["transform_defaults"]
+
+
+def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit: float | None) -> dict[str, Any]:
+    """The wavelet transform's options, which every family takes and
+    :class:`~gwt_optim.optim._base.GWTOptimizer` validates, keyed as the
+    groups hold them.
+
+    A family splices them into its ``defaults`` where it lists them.
+    GWTOptimizer puts its own keys (these among them) first in every group,
+    and the family's other keys follow in the order of its ``defaults``, which
+    a saved ``state_dict`` keeps.
+    """
+    return dict(level=level, wavelet=wavelet, scale=scale, norm_growth_limit=norm_growth_limit)
