@@ -20,7 +20,18 @@ import torch
 
 from gwt_optim import GWTAdamW
 from gwt_optim.optim import _fused
+from gwt_optim.optim import _stepper
 from gwt_optim.optim._base import GWTOptimizer
+
+
+def _plan(opt):
+    """step()'s plan (the stepper's plan over every parameter), or None."""
+    return opt._stepper.plans.get(_stepper.STEP)
+
+
+def _param_plans(opt):
+    """step_param's plans, by id(param)."""
+    return {k: v for k, v in opt._stepper.plans.items() if k != _stepper.STEP}
 
 
 @pytest.fixture
@@ -71,7 +82,7 @@ def test_a_held_plan_skips_the_per_parameter_path(mocked):
     for p, g in zip(params, grads[0]):
         p.grad = g
     opt.step()
-    plan = opt._plan
+    plan = _plan(opt)
     assert plan is not None and mocked["phase1"] == len(params)
     _reset(mocked)
     for t in range(4):
@@ -79,7 +90,7 @@ def test_a_held_plan_skips_the_per_parameter_path(mocked):
             p.grad = g
         opt.param_groups[0]["lr"] = 1e-2 / (t + 2)  # a scheduler: a kernel argument, no new plan
         opt.step()
-    assert opt._plan is plan
+    assert _plan(opt) is plan
     assert mocked["phase1"] == 0
     assert mocked["launch"] == 4 * 2 * 3  # two buckets (level 2, level 0), three launches each
     for st in opt.state.values():
@@ -124,13 +135,13 @@ def test_what_makes_a_new_plan(mocked, change, new_plan):
         for p, g in zip(params, _grads(params, t)):
             p.grad = g
         opt.step()
-    plan = opt._plan
+    plan = _plan(opt)
     for p, g in zip(params, _grads(params, 5)):
         p.grad = g
     change(opt, params)
     _reset(mocked)
     opt.step()
-    assert (opt._plan is not plan) == new_plan
+    assert (_plan(opt) is not plan) == new_plan
     with_grads = sum(p.grad is not None for g in opt.param_groups for p in g["params"])
     assert mocked["phase1"] == (with_grads if new_plan else 0)
 
@@ -141,14 +152,14 @@ def test_a_level_change_routes_again(mocked):
     for p, g in zip(params, _grads(params, 1)):
         p.grad = g
     opt.step()
-    plan = opt._plan
+    plan = _plan(opt)
     opt.param_groups[0]["level"] = 3
     for p, g in zip(params, _grads(params, 2)):
         p.grad = g
     # The saved moments have the level-2 shapes: the full checks run and say so.
     with pytest.raises(ValueError, match="state 'exp_avg' has shape"):
         opt.step()
-    assert opt._plan is not plan
+    assert _plan(opt) is not plan
 
 
 # ------------------------------------------------- bf16 gradients, no copy --- #
@@ -186,9 +197,9 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
     opt = GWTAdamW([p], lr=1e-2, compile="triton")
     p.grad = torch.randn(8, 32).bfloat16()
     opt.step()
-    (ps,) = opt._plan.fast
+    (ps,) = _plan(opt).fast
     assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.fused.name == "triton"
-    assert opt._plan.grad_specs == [(torch.bfloat16, True)]
+    assert _plan(opt).grad_specs == [(torch.bfloat16, True)]
 
 
 # ------------------------------------------- results: plan or no plan --- #
@@ -236,7 +247,7 @@ def test_the_plan_changes_no_bit(path):
     def run(plan: bool):
         with pytest.MonkeyPatch.context() as mp:
             if not plan:
-                mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
+                mp.setattr(_stepper, "make_plan", lambda host, key, batched, *scope: (None, batched))
             return train(plan)
 
     def train(plan: bool):
@@ -249,7 +260,7 @@ def test_the_plan_changes_no_bit(path):
                 p.grad = g
             opt.step()
             sds.append(opt.state_dict())
-        assert (opt._plan is not None) == plan
+        assert (_plan(opt) is not None) == plan
         return params, sds
 
     got, got_sds = run(plan=True)
@@ -281,18 +292,18 @@ def test_step_param_holds_a_plan_per_parameter(mocked):
     params = _params()
     opt = GWTAdamW(params, lr=1e-2, compile="triton")
     _step_each(opt, params, _grads(params, 1))
-    plans = dict(opt._param_plans)
+    plans = _param_plans(opt)
     assert plans.keys() == {id(p) for p in params} and mocked["phase1"] == len(params)
     _reset(mocked)
     for t in range(4):
         opt.param_groups[0]["lr"] = 1e-2 / (t + 2)  # a scheduler: a kernel argument, no new plan
         _step_each(opt, params, _grads(params, t + 2))  # new gradient tensors every step
-    assert all(opt._param_plans[k] is plan for k, plan in plans.items())
+    assert all(_param_plans(opt)[k] is plan for k, plan in plans.items())
     assert mocked["phase1"] == 0
     assert mocked["launch"] == 4 * len(params) * 3  # three launches per parameter
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 5
-    assert all(plan.ps.grad is None for plan in plans.values())  # no gradient kept alive
+    assert all(plan.fast[0].grad is None for plan in plans.values())  # no gradient kept alive
     # skips are counted in the backends' running counts: no new tensor per call
     assert len(opt._nonfinite_counters) == 1 and opt.nonfinite_skips == 0
 
@@ -332,14 +343,14 @@ def test_what_makes_a_new_param_plan(mocked, change, new_plan):
     opt = GWTAdamW(params, lr=1e-2, compile="triton")
     for t in range(2):
         _step_each(opt, params, _grads(params, t))
-    plan = opt._param_plans[id(p)]
+    plan = _param_plans(opt)[id(p)]
     p.grad = _grads(params, 5)[2]
     change(opt, params)
     _reset(mocked)
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     opt.step_param(p, group)
     # (a non-contiguous gradient takes the eager path: no plan at all)
-    assert (opt._param_plans.get(id(p)) is not plan) == new_plan
+    assert (_param_plans(opt).get(id(p)) is not plan) == new_plan
     assert mocked["phase1"] == (1 if new_plan else 0)
 
 
@@ -357,7 +368,7 @@ def test_step_param_plans_change_no_bit(path):
     def train(mode: str):
         with pytest.MonkeyPatch.context() as mp:
             if mode == "no plan":
-                mp.setattr(GWTOptimizer, "_plannable", staticmethod(lambda ps: False))
+                mp.setattr(_stepper, "plannable", lambda ps: False)
             params = _params()
             opt = GWTAdamW(params, **kw)
             sds = []
@@ -370,7 +381,7 @@ def test_step_param_plans_change_no_bit(path):
                 else:
                     _step_each(opt, params, grads)
                 sds.append(opt.state_dict())
-            assert bool(opt._param_plans) == (mode == "plans")
+            assert bool(_param_plans(opt)) == (mode == "plans")
             assert opt.nonfinite_skips == 1
             return params, sds
 
@@ -405,7 +416,7 @@ def test_a_cast_gradient_does_not_unmake_the_plan():
         twin_a.grad, twin_b.grad = ga.clone(), gb.float()  # what the optimizer casts it to
         opt.step()
         ref.step()
-        plans.append(opt._plan)
+        plans.append(_plan(opt))
     assert plans[1] is plans[2] is plans[3] and [ps.full_param for ps in plans[3].fast] == [a]
     assert torch.equal(a, twin_a) and torch.equal(b, twin_b)
 

@@ -322,15 +322,15 @@ def test_the_step_plan_changes_no_bit(tt):
     """Through every reason for a new step plan (a state round trip, a moved
     parameter, a gradient that goes and comes back, a level-independent
     option) the kernels give bit for bit what they give with no plan."""
-    from gwt_optim.optim._base import GWTOptimizer
+    from gwt_optim.optim import _stepper
 
     W0, grads = _problem(shapes=SHAPES[1:], steps=6, seed=19)
     got, opt = _train_through_changes(W0, grads, lambda opt, params: opt.step(), limiter_off_at=4)
-    assert opt._plan is not None
+    assert opt._stepper.plans.get(_stepper.STEP) is not None
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(GWTOptimizer, "_make_plan", lambda self, batched: (None, batched))
+        mp.setattr(_stepper, "make_plan", lambda host, key, batched, *scope: (None, batched))
         want, ref = _train_through_changes(W0, grads, lambda opt, params: opt.step(), limiter_off_at=4)
-    assert ref._plan is None
+    assert ref._stepper.plans.get(_stepper.STEP) is None
     _assert_same(got, opt, want, ref)
 
 
@@ -352,7 +352,8 @@ def test_step_param_plans_change_no_bit(tt, dtype):
     grads[4][0][1, 2, 5] = float("inf")
     got, opt = _train_through_changes(W0, grads, _step_each)
     want, ref = _train_through_changes(W0, grads, lambda opt, params: opt.step())
-    assert len(opt._param_plans) == len(got) and not ref._param_plans
+    param_plans = [k for k in opt._stepper.plans if k != "step"]  # step_param's, by id(param)
+    assert len(param_plans) == len(got) and not [k for k in ref._stepper.plans if k != "step"]
     assert opt.nonfinite_skips == ref.nonfinite_skips == 1
     _assert_same(got, opt, want, ref)
 

@@ -98,6 +98,7 @@ class GWTAdafactor(GWTOptimizer):
     """
 
     _family = "GWTAdafactor"
+    _GROUP_KEY = "beta2_decay"
 
     def __init__(
         self,

@@ -140,6 +140,7 @@ class GWTAdamMini(GWTOptimizer):
     """
 
     _family = "GWTAdamMini"
+    _GROUP_KEY = "block"
 
     def __init__(
         self,

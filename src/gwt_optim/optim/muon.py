@@ -137,6 +137,7 @@ class GWTMuon(GWTOptimizer):
     """
 
     _family = "GWTMuon"
+    _GROUP_KEY = "use_muon"
 
     def __init__(
         self,

@@ -1,0 +1,359 @@
+"""What runs a step's routed parameters, and the plan that lets it repeat.
+
+:class:`GWTOptimizer` routes each parameter with a gradient
+(:meth:`~gwt_optim.optim._base.GWTOptimizer.route`) and runs phase 1 of it
+(:class:`ParamStep`). Those the route hands to a *batched* fused backend (all
+GWT-AdamW weights on CUDA, most on CPU) then take their whole step in one call
+per backend. :class:`Stepper` runs them, and keeps a :class:`Plan` of it: the
+routing, checks and ParamSteps of the last step, repeated while nothing they
+depend on has changed. A plan covers a *scope*: every parameter
+(:meth:`Stepper.step`, key :data:`STEP`) or one (:meth:`Stepper.step_param`,
+key ``id(param)``, for ``step_in_backward``). One plan type serves both.
+
+This module sits below the optimizer: it knows the optimizer only through
+:class:`Host`, the few methods listed there.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "Host", "LIMITER_EPS", "STEP", "make_plan", "plannable",
+           "run_unplanned"]
+
+# Fira's limiter divides by the previous norm; this keeps it finite at s = 0.
+LIMITER_EPS = 1e-8
+#: The key of the plan over every parameter (step_param's plans are keyed by id(param)).
+STEP = "step"
+
+_data_ptr = Tensor.data_ptr  # for map(): no Python frame per tensor
+
+
+@dataclass
+class ParamStep:
+    """What phase 1 of a step leaves for phase 2, for one parameter."""
+
+    param: Tensor  # the (local) parameter tensor
+    full_param: Tensor  # the parameter as the user holds it (maybe a DTensor)
+    # The (local) gradient: in its own dtype when the fused backend reads that
+    # dtype (GWTOptimizer.route), else in the compute dtype.
+    grad: Tensor
+    state: dict
+    group: dict
+    transformed: bool
+    level: int
+    A: Tensor | None  # approximation coefficients A_l of this step's gradient
+    U: Tensor | None  # approximation update (before the limiter)
+    den: Tensor | None  # per-approximation-coefficient normalizer, None = 1
+    coeffs: Any = None  # wavelets.Coefficients, reference path only
+    limited: bool = False
+    norm_sq: Tensor | float | None = None  # a float from fused CPU kernels
+    fused: Any = None  # the fused kernel backend running this parameter, if any
+    carry: Any = None  # what the fused phase 1 leaves for its phase 2
+    step: int = 0  # the state's step count after this step's increment
+    batched: bool = False  # the fused backend runs this whole step later, with others
+
+
+@dataclass
+class StepBatch:
+    """Whole steps a batched fused backend runs with one set of scalars: the
+    ParamSteps of one group and one step count, whose step scale alpha is all
+    the group's or all 1 (transformed parameters, or not, unless alpha = 1).
+
+    While a plan holds, the stepper hands a backend's ``step_batches`` the
+    same list of the same StepBatch objects, with the same ``steps`` lists, on
+    every step, updating only ``step``, ``scale`` and ``decay`` and each
+    ParamStep's ``grad`` and ``step``; a backend may cache what it derives
+    from them by identity (and by the plan's ``key``). The plan has then
+    checked that all but the gradients is as it was when it was made: the
+    parameters (address, shape, strides, dtype, device) and their state (the
+    same tensors at the same addresses). A gradient may be a new tensor, of
+    the same dtype, shape, strides and device.
+    """
+
+    steps: list[ParamStep]
+    group: dict
+    step: int  # the step count after this step's increment
+    scaled: bool  # alpha is the group's "scale" (else 1)
+    scale: float = 0.0  # alpha * lr * step factor
+    decay: float = 1.0  # 1 - lr * weight_decay
+
+
+class Host(Protocol):
+    """What the stepper needs of the optimizer."""
+
+    state: Any  # param -> state dict
+    param_groups: list[dict]
+
+    def _route_key(self, group: dict) -> tuple:
+        """The group options that choose paths and state shapes: a change makes a new plan."""
+
+    def _step_params(self, params: list[tuple[Tensor, dict]], batched: list[ParamStep],
+                     deferred: list[ParamStep]) -> None:
+        """Phase 1 of each (parameter, group) with every check; phase 2 now,
+        or the ParamStep queued in ``batched`` (batched backends) or
+        ``deferred`` (the limiter's collective)."""
+
+    def _finish(self, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
+        """Run what ``_step_params`` queued and no plan took."""
+
+    def _step_factor(self, ps: ParamStep) -> float:
+        """The family's multiplier on lr for this step (Adam: bias correction)."""
+
+    def _count_skipped(self, skipped: tuple | list) -> None:
+        """Record what a batched backend skipped for a non-finite gradient."""
+
+
+def plannable(ps: ParamStep) -> bool:
+    """Whether a plan may repeat this batched ParamStep: not for a gradient
+    cast to the compute dtype (a copy on every step), nor for a step count
+    that is not a CPU float32 scalar."""
+    st = ps.state.get("step")
+    return (ps.grad is ps.full_param.grad and isinstance(st, Tensor) and st.ndim == 0
+            and st.dtype == torch.float32 and st.device.type == "cpu"
+            and all(isinstance(v, Tensor) for v in ps.state.values()))
+
+
+@dataclass
+class Plan:
+    """The batched part of the last step over a scope, repeated without
+    re-deriving it while nothing it depends on has changed (:meth:`grads`)."""
+
+    key: Hashable  # STEP, or id(param) for step_param's; the backends cache by it
+    state: dict  # the optimizer's state mapping it was made with
+    groups: list[dict]  # the scope's groups: the batches read their lr and weight decay
+    routes: list[tuple]  # _route_key of each of them
+    params: list[Tensor]  # every parameter of the scope, in group order
+    states: list[dict]  # the scope's state dicts, in their order
+    rest: list[tuple[Tensor, dict]]  # (parameter, group) of the scope's others: full path every step
+    fast: list[ParamStep]  # the planned parameters' steps, reused
+    fast_params: list[Tensor]
+    fast_states: list[dict]
+    param_addresses: list[int]
+    shapes: list[torch.Size]
+    grad_specs: list[tuple]  # (dtype, contiguous) of each gradient
+    # (weight's, gradient's) strides of each: p.data = p.data.t() keeps a square
+    # weight's address and shape, and the kernels would read it as rows.
+    strides: list[tuple]
+    values: list[Tensor]  # every tensor of the planned states, in order
+    addresses: list[int]  # and their addresses
+    counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
+    version: int  # counter._version after the last add_
+    batches: list[tuple[Any, list[StepBatch]]]  # per backend
+
+    def grads(self, host: Host, groups: list[dict], params: list[Tensor], states: list) -> list[Tensor] | None:
+        """The planned parameters' gradients if this step may repeat the plan,
+        else None. It may with the same scope (``groups``, ``params`` and
+        ``states`` as they are now), the groups' routing options and step
+        counts (nothing wrote them but the plan), the planned parameters and
+        their state tensors as they were (see :class:`StepBatch`), and
+        gradients the backends take the same way."""
+        if self.state is not host.state or self.counter._version != self.version:
+            return None
+        if len(groups) != len(self.groups) or not all(map(operator.is_, groups, self.groups)):
+            return None  # a group dict replaced: the batches would read the old one's lr
+        if [host._route_key(g) for g in groups] != self.routes:
+            return None
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return None
+        # Every state dict, in order (no hashing of parameters): one replaced,
+        # added or removed shows here.
+        if len(states) != len(self.states) or not all(map(operator.is_, states, self.states)):
+            return None
+        fast = self.fast_params
+        grads = [p.grad for p in fast]
+        try:
+            # torch's grad setter keeps a gradient's shape and device the
+            # parameter's; a sparse one is not contiguous.
+            specs = [(g.dtype, g.is_contiguous()) for g in grads]
+        except AttributeError:  # a gradient is None
+            return None
+        values = [v for st in self.fast_states for v in st.values()]
+        holds = (
+            specs == self.grad_specs
+            and list(map(_data_ptr, fast)) == self.param_addresses
+            and [p.shape for p in fast] == self.shapes
+            and [(p.stride(), g.stride()) for p, g in zip(fast, grads)] == self.strides
+            and len(values) == len(self.values)
+            and all(map(operator.is_, values, self.values))
+            and list(map(_data_ptr, values)) == self.addresses
+        )
+        return grads if holds else None
+
+    def run(self, host: Host, grads: list[Tensor] | None) -> None:
+        """The planned parameters' whole steps, one call per backend. With
+        ``grads`` (a repeated plan) their step counts advance here; otherwise
+        phase 1 has advanced them and left the gradients."""
+        if grads is not None:
+            self.counter.add_(1)
+            for ps, g in zip(self.fast, grads):
+                ps.grad = g
+            for _, batches in self.batches:
+                for batch in batches:
+                    batch.step += 1
+                    for ps in batch.steps:
+                        ps.step = batch.step
+        self.version = self.counter._version
+        try:
+            for backend, batches in self.batches:
+                for batch in batches:
+                    batch_scalars(host, batch)
+                run = getattr(backend, "step_batches", None)
+                if run is not None:
+                    host._count_skipped(run(batches, LIMITER_EPS, key=self.key))
+                else:
+                    items = [(ps, b.scale, b.decay) for b in batches for ps in b.steps]
+                    host._count_skipped(backend.step_many(items, LIMITER_EPS))
+        finally:
+            # The plan outlives the step; the gradients must not (zero_grad frees them).
+            for ps in self.fast:
+                ps.grad = None
+
+    def backends(self) -> list[Any]:
+        return [backend for backend, _ in self.batches]
+
+
+def batch_scalars(host: Host, batch: StepBatch) -> None:
+    """This step's ``scale`` and ``decay`` of a StepBatch, from its group."""
+    group = batch.group
+    lr = group["lr"]
+    lr = lr.item() if isinstance(lr, Tensor) else lr
+    alpha = group["scale"] if batch.scaled else 1.0
+    batch.scale = alpha * lr * host._step_factor(batch.steps[0])
+    batch.decay = 1 - lr * group["weight_decay"]
+
+
+def run_unplanned(host: Host, steps: list[ParamStep]) -> None:
+    """Hand the batched whole steps no plan holds to their backends, with the
+    family's step factor and the decoupled weight decay."""
+    by_backend: dict[int, tuple[Any, list]] = {}
+    for ps in steps:
+        lr = ps.group["lr"]
+        lr = lr.item() if isinstance(lr, Tensor) else lr
+        scale = (ps.group["scale"] if ps.transformed else 1.0) * lr * host._step_factor(ps)
+        entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
+        entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
+    for backend, items in by_backend.values():
+        host._count_skipped(backend.step_many(items, LIMITER_EPS))
+
+
+def make_plan(host: Host, key: Hashable, batched: list[ParamStep], pairs: list[tuple[Tensor, dict]],
+              groups: list[dict], states: list[dict]) -> tuple[Plan | None, list[ParamStep]]:
+    """A plan over the scope ``pairs`` (of ``groups``, with state dicts
+    ``states``) from this step's batched ParamSteps (made by phase 1 with
+    every check), and those it leaves to ``_finish``: see :func:`plannable`."""
+    fast, left = [], []
+    for ps in batched:
+        (fast if plannable(ps) else left).append(ps)
+    if not fast:
+        return None, left
+    planned = {id(ps.full_param) for ps in fast}
+    counter = torch.stack([ps.state["step"] for ps in fast])
+    for i, ps in enumerate(fast):
+        ps.state["step"] = counter[i]
+    batches: dict[tuple, StepBatch] = {}
+    by_backend: dict[int, tuple[Any, list[StepBatch]]] = {}
+    for ps in fast:
+        # alpha = 1 (a _route_key option) lets weights and vectors share launches.
+        bkey = (id(ps.fused), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
+        batch = batches.get(bkey)
+        if batch is None:
+            batch = batches[bkey] = StepBatch([], ps.group, ps.step, bkey[-1])
+            by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append(batch)
+        batch.steps.append(ps)
+    fast_params = [ps.full_param for ps in fast]
+    values = [v for ps in fast for v in ps.state.values()]
+    plan = Plan(
+        key=key,
+        state=host.state,
+        groups=list(groups),
+        routes=[host._route_key(g) for g in groups],
+        params=[p for p, _ in pairs],
+        states=states,
+        rest=[(p, g) for p, g in pairs if id(p) not in planned],
+        fast=fast,
+        fast_params=fast_params,
+        fast_states=[ps.state for ps in fast],
+        param_addresses=list(map(_data_ptr, fast_params)),
+        shapes=[p.shape for p in fast_params],
+        grad_specs=[(ps.grad.dtype, ps.grad.is_contiguous()) for ps in fast],
+        strides=[(ps.full_param.stride(), ps.grad.stride()) for ps in fast],
+        values=values,
+        addresses=list(map(_data_ptr, values)),
+        counter=counter,
+        version=counter._version,
+        batches=list(by_backend.values()),
+    )
+    return plan, left
+
+
+class Stepper:
+    """Takes a step's parameters through phase 1 (the host's), and runs the
+    batched ones under a :class:`Plan` per scope: ``plans[STEP]`` for
+    :meth:`step`, ``plans[id(p)]`` for :meth:`step_param`."""
+
+    def __init__(self) -> None:
+        self.plans: dict[Hashable, Plan] = {}
+
+    def step(self, host: Host) -> None:
+        """One step of every parameter of ``host`` with a gradient."""
+        groups = host.param_groups
+        params = [p for g in groups for p in g["params"]]
+        states = list(host.state.values())
+        deferred: list[ParamStep] = []
+        batched: list[ParamStep] = []
+        plan = self.plans.get(STEP)
+        grads = None if plan is None else plan.grads(host, groups, params, states)
+        if grads is not None:
+            if plan.rest:
+                host._step_params(plan.rest, batched, deferred)
+                # A parameter joined the batched kernels: plan again next time.
+                # (One the plan cannot hold, a gradient cast on every step, stays out.)
+                if any(map(plannable, batched)):
+                    del self.plans[STEP]
+            plan.run(host, grads)
+        else:
+            self.plans.pop(STEP, None)
+            pairs = [(p, g) for g in groups for p in g["params"]]
+            host._step_params(pairs, batched, deferred)
+            plan, batched = make_plan(host, STEP, batched, pairs, groups, list(host.state.values()))
+            if plan is not None:
+                self.plans[STEP] = plan
+                plan.run(host, None)
+        host._finish(batched, deferred)
+
+    def step_param(self, host: Host, p: Tensor, group: dict) -> None:
+        """The step of ``p`` alone, as :meth:`step` takes it, under a plan of its own."""
+        key = id(p)
+        plan = self.plans.get(key)
+        if plan is not None:
+            grads = plan.grads(host, [group], [p], [host.state.get(p)])
+            if grads is not None:
+                plan.run(host, grads)
+                return
+            del self.plans[key]
+        batched: list[ParamStep] = []
+        deferred: list[ParamStep] = []
+        host._step_params([(p, group)], batched, deferred)
+        plan, batched = make_plan(host, key, batched, [(p, group)], [group], [host.state.get(p)])
+        if plan is not None:
+            self.plans[key] = plan
+            plan.run(host, None)
+        host._finish(batched, deferred)
+
+    def drop(self) -> None:
+        """Forget every plan, and the tables their backends keep for them:
+        those reach the old state tensors, which a loaded state dict replaces
+        (kept, they would hold a second copy of the moments until each
+        parameter's next step)."""
+        backends = {id(b): b for plan in self.plans.values() for b in plan.backends()}
+        for backend in backends.values():
+            forget = getattr(backend, "invalidate", None)
+            if forget is not None:
+                forget()
+        self.plans = {}

@@ -1,0 +1,146 @@
+"""GWTOptimizer.route is the one place that decides a parameter's path: this
+table lists each case (family, device, dtype, level, compile, moment dtype,
+1-D, impl, wavelet) and the path and backend it takes, and checks that a
+step takes exactly that route.
+
+The CUDA rows run the Triton backend on CPU tensors with its launches
+replaced (``TritonBackend(cpu=True)``, as tests/test_host_overhead.py does):
+what is checked is the routing, not the kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
+from gwt_optim.optim import _fused
+from gwt_optim.optim._base import PATHS, GWTOptimizer
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+
+
+def _native() -> bool:
+    try:
+        _fused.native_library()
+    except _fused.KernelUnavailable:
+        return False
+    return True
+
+
+# (id, family, options, parameter shape, weight dtype, gradient dtype, compile, impl)
+#   -> (path, backend name, dtype the path reads the gradient in, level)
+TABLE = [
+    # GWT-AdamW on CPU: the native kernels take the transformed step, torch's
+    # fused AdamW the plain one (1-D, or level 0 with alpha 1 and no limiter).
+    ("adamw-2d", GWTAdamW, {}, (8, 32), F32, F32, None, "fast", ("batched", "native", F32, 2)),
+    ("adamw-3d", GWTAdamW, {}, (4, 3, 16), F32, F32, None, "fast", ("batched", "native", F32, 2)),
+    ("adamw-bf16", GWTAdamW, {}, (8, 32), BF16, BF16, None, "fast", ("batched", "native", BF16, 2)),
+    ("adamw-fp64", GWTAdamW, {}, (8, 32), F64, F64, None, "fast", ("batched", "native", F64, 2)),
+    ("adamw-paper", GWTAdamW, {"detail_clip": None}, (8, 32), F32, F32, None, "fast", ("batched", "native", F32, 2)),
+    # an fp32 weight with bf16 gradients: the native kernels read fp32, so the gradient is cast
+    ("adamw-bf16-grad", GWTAdamW, {}, (8, 32), F32, BF16, None, "fast", ("batched", "native", F32, 2)),
+    ("adamw-1d", GWTAdamW, {}, (12,), F32, F32, None, "fast", ("batched", "fused_adamw", F32, 0)),
+    # torch's CPU kernel takes one dtype: bf16 weights with fp32 moments take the native level 0
+    ("adamw-1d-bf16", GWTAdamW, {}, (12,), BF16, BF16, None, "fast", ("batched", "native", BF16, 0)),
+    ("adamw-level0-plain", GWTAdamW, {"level": 0, "scale": 1.0, "norm_growth_limit": None}, (8, 32), F32, F32,
+     None, "fast", ("batched", "fused_adamw", F32, 0)),
+    # level 0 with alpha != 1 or the limiter is not the plain step: eager
+    ("adamw-level0-scaled", GWTAdamW, {"level": 0}, (8, 32), F32, F32, None, "fast", ("plain", None, F32, 0)),
+    ("adamw-scalar", GWTAdamW, {}, (), F32, F32, None, "fast", ("plain", None, F32, 0)),
+    ("adamw-fp16", GWTAdamW, {}, (8, 32), F16, F16, None, "fast", ("haar", None, F32, 2)),
+    ("adamw-int8", GWTAdamW, {"moment_dtype": "int8"}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
+    ("adamw-bf16-moments", GWTAdamW, {"moment_dtype": "bfloat16"}, (8, 32), F32, F32, None, "fast",
+     ("haar", None, F32, 2)),
+    ("adamw-compile-off", GWTAdamW, {}, (8, 32), F32, F32, False, "fast", ("haar", None, F32, 2)),
+    ("adamw-compile-off-1d", GWTAdamW, {}, (12,), F32, F32, False, "fast", ("plain", None, F32, 0)),
+    ("adamw-reference", GWTAdamW, {}, (8, 32), F32, F32, None, "reference", ("reference", None, F32, 2)),
+    ("adamw-db2", GWTAdamW, {"wavelet": "db2"}, (8, 32), F32, F32, None, "fast", ("reference", None, F32, 2)),
+    ("adamw-bf16-eager", GWTAdamW, {}, (8, 32), BF16, BF16, False, "fast", ("haar", None, F32, 2)),
+    # the other families have no fused kernels
+    ("muon", GWTMuon, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
+    ("muon-level0", GWTMuon, {"level": 0}, (8, 32), F32, F32, None, "fast", ("plain", None, F32, 0)),
+    ("adam-mini", GWTAdamMini, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
+    ("adam-mini-1d", GWTAdamMini, {}, (12,), F32, F32, None, "fast", ("plain", None, F32, 0)),
+    ("adafactor", GWTAdafactor, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
+    ("adafactor-reference", GWTAdafactor, {}, (8, 32), F32, F32, None, "reference", ("reference", None, F32, 2)),
+    ("adafactor-bf16", GWTAdafactor, {}, (8, 32), BF16, BF16, None, "fast", ("haar", None, F32, 2)),
+]
+
+# The CUDA rows: the Triton backend, which reads bf16 and fp16 gradients as they are.
+CUDA_TABLE = [
+    ("triton-2d", GWTAdamW, {}, (8, 32), F32, F32, "triton", "fast", ("batched", "triton", F32, 2)),
+    ("triton-bf16", GWTAdamW, {}, (8, 32), BF16, BF16, "triton", "fast", ("batched", "triton", BF16, 2)),
+    ("triton-bf16-grad", GWTAdamW, {}, (8, 32), F32, BF16, "triton", "fast", ("batched", "triton", BF16, 2)),
+    ("triton-1d", GWTAdamW, {}, (12,), F32, F32, "triton", "fast", ("batched", "triton", F32, 0)),
+    ("triton-int8", GWTAdamW, {"moment_dtype": "int8"}, (8, 32), F32, F32, "triton", "fast", ("haar", None, F32, 2)),
+    ("triton-reference", GWTAdamW, {}, (8, 32), F32, F32, "triton", "reference", ("reference", None, F32, 2)),
+]
+
+
+def _make(family, options, shape, dtype, compile, impl):
+    p = torch.nn.Parameter(torch.randn(shape).to(dtype))
+    p.grad_dtype = None  # torch lets a gradient have another dtype (the mixed rows)
+    kw = {"compile": compile} if family is GWTAdamW else {}
+    group = {"params": [p], **options}
+    if family is GWTMuon and len(shape) < 2:
+        group["use_muon"] = False
+    return p, family([group], lr=1e-3, impl=impl, **kw)
+
+
+def _check(case, monkeypatch=None):
+    _, family, options, shape, dtype, gdtype, compile, impl, (path, backend, read, level) = case
+    assert path in PATHS
+    p, opt = _make(family, options, shape, dtype, compile, impl)
+    grad = torch.randn(shape).to(gdtype)
+    route = opt.route(opt.param_groups[0], p, grad)
+    assert (route.path, getattr(route.backend, "name", None), route.grad.dtype, route.level) == \
+        (path, backend, read, level)
+    assert route.transformed == (len(shape) >= 2)
+    if route.grad.dtype == gdtype:
+        assert route.grad is grad  # read as it is: no copy
+
+    # A step takes exactly this route: the ParamStep phase 1 makes carries it.
+    seen = []
+    phase1 = GWTOptimizer._phase1
+
+    def spy(self, q, group, finite=None):
+        ps = phase1(self, q, group, finite)
+        seen.append(ps)
+        return ps
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GWTOptimizer, "_phase1", spy)
+        p.grad = grad
+        opt.step()
+    (ps,) = seen
+    assert ps.batched == (path == "batched") and getattr(ps.fused, "name", None) == backend
+    assert (ps.coeffs is not None) == (path == "reference")
+    assert ps.level == level
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_route_table(case):
+    if case[-1][1] == "native" and not _native():
+        pytest.skip("no C compiler for the native kernels")
+    _check(case)
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    _triton = pytest.importorskip("gwt_optim.optim._triton", exc_type=ImportError)
+    for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
+        monkeypatch.setattr(_triton, name, lambda *a, **k: None)
+    monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
+
+
+@pytest.mark.parametrize("case", CUDA_TABLE, ids=[c[0] for c in CUDA_TABLE])
+def test_route_table_cuda(case, triton_on_cpu):
+    _check(case)
+
+
+def test_every_path_has_a_row():
+    assert {c[-1][0] for c in TABLE} == set(PATHS) - {"fused"}
+    # "fused" (phase 1 and phase 2 around the limiter's all-reduce) is a sharded
+    # parameter's: tests/test_distributed.py runs it under FSDP2.
+    assert "fused" in PATHS
