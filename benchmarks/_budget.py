@@ -29,9 +29,8 @@ cut-short run from it, so the study can span several sessions.
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import shlex
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import _protocol as P
+from gwt_optim.toolkit.runner import abort_on_signals
 
 # Grids around the short-horizon bests (docs/results/h200-263fb73, the 600-step
 # probe of issue 18): three points each, as the CPU plan allows.
@@ -259,12 +259,16 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
                            "report_seeds": report_seeds, "grids": {c: g for c, g in grids.items()},
                            "contenders": {}}
 
-    def on_signal(signum, frame):  # noqa: ARG001
-        print(f"\nsignal {signum}: stopping the runs in flight (they resume with --resume)", flush=True)
-        b.tuner.abort()
-        b.reporter.abort()
+    with abort_on_signals([b.tuner, b.reporter], "stopping the runs in flight (they resume with --resume)"):
+        _stages(args, b, out, grids, beta2s, tune_seeds, report_seeds, gate_seeds)
+    analyse(out, args.gate_nats)
+    out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
+    return out
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]], beta2s: list[float],
+            tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int]) -> None:
+    """Stages 1-3 on ``b``'s shared pool, into ``out``."""
     try:
         others = [c for c in grids if c != P.BASELINE]
         if args.beta2 is None:  # every other contender waits for AdamW's best beta2
@@ -300,11 +304,6 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
             out["frozen"] = frozen.result() if frozen else {}
     finally:
         b.tuner.shutdown()
-        for sig, h in old.items():
-            signal.signal(sig, h)
-    analyse(out, args.gate_nats)
-    out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
-    return out
 
 
 def analyse(out: dict[str, Any], gate_nats: float) -> None:
@@ -501,7 +500,7 @@ def main(argv: list[str] | None, description: str) -> int:
         plot_progress(Path(args.out), [Path(args.out) / "progress.png"] + ([Path(args.plot)] if args.plot else []),
                       args.tokens_per_step)
         return 0
-    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text, environment
+    from gwt_optim.toolkit.metrics import environment
     from gwt_optim.toolkit.train import TrainConfig
 
     try:
@@ -534,6 +533,24 @@ def main(argv: list[str] | None, description: str) -> int:
     env = environment()
     if args.commit:
         env["git_commit"] = args.commit
+    with contextlib.ExitStack() as held:
+        if not args.report_only:  # one writer of --out at a time (each run also locks its own folder)
+            from gwt_optim.toolkit.errors import UsageError
+            from gwt_optim.toolkit.train import lock_run_dir
+
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            try:
+                held.enter_context(lock_run_dir(Path(args.out)))
+            except UsageError as exc:
+                print(f"quality.py --budget: error: {exc}", file=sys.stderr)
+                return 2
+        return _run_and_report(args, argv, base, data, env, threads, start)
+
+
+def _run_and_report(args, argv: list[str] | None, base: dict[str, Any], data: dict[str, Any], env: dict[str, Any],
+                    threads: int, start: float) -> int:
+    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
+
     t0 = time.monotonic()
     budget = run(args, base, data["train_windows"], start)
     report = {"command": shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -22,28 +22,27 @@ Budget
     The token budget is the same for every batch size: a larger batch takes
     fewer steps.
 
-Each (spec, lr, seed) is one ``python -m gwt_optim pretrain`` process
-(``Runner``); identical runs of different studies are run once. Finished runs
-are reused with ``--resume`` when their ``config.json`` is identical, and are
-never deleted: a finished run whose configuration differs is moved aside to
-``NAME.old<k>``.
+Each (spec, lr, seed) is one ``python -m gwt_optim pretrain`` process, run by
+the toolkit's runner (``gwt_optim.toolkit.runner``, which ``compare`` uses
+too; ``Runner`` here says where a job's run lives and what it trains);
+identical runs of different studies are run once. Finished runs are reused
+with ``--resume`` when their ``config.json`` is identical, and are never
+deleted: a finished run whose configuration differs is moved aside to
+``NAME.old<k>``. One process writes ``--out`` at a time (it is locked).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shlex
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -51,6 +50,10 @@ from typing import Any, Iterable, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
+
+from gwt_optim.toolkit import runner as _runner  # noqa: E402
+from gwt_optim.toolkit.runner import format_spec, same_config  # noqa: E402,F401 - same_config: for callers
+from gwt_optim.toolkit.runner import split_spec as parse_spec  # noqa: E402
 
 BAR_NATS = 0.03
 # Starts at 1e-4: on the demo at 8K tokens per step AdamW's matrices were
@@ -73,22 +76,6 @@ PLOT_PATH = ROOT / "docs" / "images" / "gap-vs-batch.png"
 # --------------------------------------------------------------------------- #
 # Specs
 # --------------------------------------------------------------------------- #
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"gwt-adamw:level=2:eps=1e-6"`` -> ``("gwt-adamw", {"level": "2", "eps": "1e-6"})``, values kept as text."""
-    name, *pairs = spec.strip().split(":")
-    opts: dict[str, str] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"bad option {pair!r} in {spec!r}; expected key=value")
-        key, value = pair.split("=", 1)
-        opts[key.strip().replace("-", "_")] = value.strip()
-    return name.strip(), opts
-
-
-def format_spec(name: str, opts: dict[str, str]) -> str:
-    return ":".join([name, *(f"{k}={v}" for k, v in opts.items())])
 
 
 def fmt_lr(lr: float) -> str:
@@ -275,39 +262,27 @@ class Setting:
                 "steps": steps, "epochs": used, "capped": capped}
 
 
-class Runner:
-    """Runs jobs as ``pretrain`` processes, at most ``jobs`` at a time, each job once.
+class Runner(_runner.Runner):
+    """The toolkit's runner (:class:`gwt_optim.toolkit.runner.Runner`) on the protocol's jobs: a job's run
+    lives at ``OUT/runs/tokensT-stepsN/seedS/SPEC-lrLR`` and trains the setting's config at its shape.
 
     ``deadline`` (seconds from ``start``, default now): no job starts after it, and a job still
-    running ``grace`` seconds later is terminated. A failed, diverged or
-    skipped run is a result with a ``status``, never an exception.
+    running ``grace`` seconds later is stopped. A failed, diverged or skipped run is a result with a
+    ``status``, never an exception. ``pool``: another Runner's, so that runners of different stages
+    share one limit of ``jobs``.
     """
 
     def __init__(self, out: Path, setting: Setting, *, jobs: int = 1, threads: int | None = None,
                  resume: bool = False, keep_checkpoints: bool = False, deadline: float | None = None,
                  grace: float = 45.0, quiet: bool = False, offline: bool = False, start: float | None = None,
                  pool: ThreadPoolExecutor | None = None):
-        self.out, self.setting, self.resume, self.keep = out, setting, resume or offline, keep_checkpoints
-        self.offline = offline  # report only: read finished runs, start none
-        self.run_env: dict[str, Any] | None = None  # environment.json of one finished run
-        self.threads = threads
-        # ``pool``: another Runner's, so that runners of different stages share one limit of ``jobs``.
-        self.pool = pool if pool is not None else ThreadPoolExecutor(max_workers=max(1, jobs))
-        self.t0 = time.monotonic() if start is None else start
-        self.stop_at = None if deadline is None else self.t0 + deadline
-        self.kill_at = None if deadline is None else self.t0 + deadline + grace
-        self.aborted = False
-        self.quiet = quiet
-        self._lock = threading.Lock()
-        self._futures: dict[Path, tuple[Job, Future]] = {}
-        self._procs: set[subprocess.Popen] = set()
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+        super().__init__(out, jobs=jobs, threads=threads, resume=resume, keep_checkpoints=keep_checkpoints,
+                         deadline=deadline, grace=grace, quiet=quiet, offline=offline, start=start, pool=pool,
+                         env={"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}, cwd=ROOT)
+        self.setting = setting
         self.unavailable: dict[str, str] = {}  # spec -> why (preflight)
-        self.counts = {"ran": 0, "reused": 0, "failed": 0, "skipped": 0}
-        # Resume a cut-short run from its last checkpoint (its config.json unchanged) instead of starting
-        # it afresh: the budget mode's long runs span sessions.
-        self.resume_partial = False
 
-    # paths and configs ---------------------------------------------------- #
     def run_dir(self, job: Job) -> Path:
         from gwt_optim.toolkit.compare import run_dir_name
 
@@ -324,188 +299,14 @@ class Runner:
                "out": str(self.run_dir(job)), "progress": False}
         return TrainConfig.from_dict(cfg).to_dict()
 
-    def finished(self, job: Job) -> dict[str, Any] | None:
-        """The summary of a finished run with exactly this configuration, else None. The run's own folder
-        (``out``) is left out of the comparison, so a results folder copied elsewhere still matches."""
-        run = self.run_dir(job)
-        try:
-            same = same_config(json.loads((run / "config.json").read_text()), self.config(job))
-            if not same:
-                return None
-            summary = json.loads((run / "summary.json").read_text())
-            if self.run_env is None and (run / "environment.json").is_file():
-                self.run_env = json.loads((run / "environment.json").read_text())
-            return summary
-        except (OSError, json.JSONDecodeError):  # absent, or a run folder left half-written
-            return None
+    def describe(self, job: Job) -> str:
+        return job.describe()
 
-    # scheduling ----------------------------------------------------------- #
-    def submit(self, job: Job) -> Future:
-        path = self.run_dir(job)
-        with self._lock:
-            if path in self._futures:
-                other, fut = self._futures[path]
-                if other != job:
-                    raise RuntimeError(f"two different runs map to one folder {path}: {other} and {job}")
-                return fut
-            fut = self.pool.submit(self._run, job)
-            self._futures[path] = (job, fut)
-            return fut
+    def job_fields(self, job: Job) -> dict[str, Any]:
+        return {"tokens": job.tokens, "spec": job.spec, "lr": job.lr, "seed": job.seed}
 
-    def run_all(self, jobs: Iterable[Job]) -> dict[Job, dict[str, Any]]:
-        futures = {job: self.submit(job) for job in jobs}
-        return {job: fut.result() for job, fut in futures.items()}
-
-    def abort(self) -> None:
-        """Stop: start nothing more and terminate the runs in flight (they are reported as stopped)."""
-        self.aborted = True
-        with self._lock:
-            procs = list(self._procs)
-        for proc in procs:  # the worker threads wait for them and kill any that linger
-            if proc.poll() is None:
-                proc.terminate()
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=True)
-
-    # one run -------------------------------------------------------------- #
-    def _result(self, job: Job, status: str, **extra: Any) -> dict[str, Any]:
-        return {"tokens": job.tokens, "spec": job.spec, "lr": job.lr, "seed": job.seed, "status": status,
-                "val_loss": float("nan"), "run": str(self.run_dir(job)), **extra}
-
-    def _say(self, text: str) -> None:
-        if not self.quiet:
-            print(f"  [{time.monotonic() - self.t0:6.0f} s] {text}", flush=True)
-
-    def _run(self, job: Job) -> dict[str, Any]:
-        if self.resume and (summary := self.finished(job)) is not None:
-            with self._lock:
-                self.counts["reused"] += 1
-            return {**self._result(job, "ok", reused=True), **_keep(summary)}
-        if self.offline:
-            return self._result(job, "missing", error="no finished run with this configuration (--report-only)")
-        if job.spec in self.unavailable:
-            return self._result(job, "unavailable", error=self.unavailable[job.spec])
-        if self.aborted or (self.stop_at is not None and time.monotonic() > self.stop_at):
-            with self._lock:
-                self.counts["skipped"] += 1
-            return self._result(job, "skipped", error="deadline reached before it started")
-        run = self.run_dir(job)
-        if self.resume_partial and self._resumable(job):
-            return self._launch(job, resume=True)
-        if (run / "summary.json").is_file():  # a finished run is never deleted: move it aside
-            k = 1
-            while run.with_name(f"{run.name}.old{k}").exists():
-                k += 1
-            run.rename(run.with_name(f"{run.name}.old{k}"))
-            self._say(f"kept the earlier finished run of {job.describe()} as {run.name}.old{k}")
-        run.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)  # a half-written run starts afresh
-        (run / "config.json").unlink(missing_ok=True)
-        return self._launch(job, resume=False)
-
-    def _resumable(self, job: Job) -> bool:
-        run = self.run_dir(job)
-        ckpt = run / "checkpoints"
-        try:
-            return (not (run / "summary.json").is_file() and ckpt.is_dir() and any(ckpt.iterdir())
-                    and same_config(json.loads((run / "config.json").read_text()), self.config(job)))
-        except (OSError, json.JSONDecodeError):
-            return False
-
-    def _launch(self, job: Job, *, resume: bool) -> dict[str, Any]:
-        run = self.run_dir(job)
-        requested = run / "requested_config.json"
-        requested.write_text(json.dumps(self.config(job), indent=2))
-        if resume:
-            self._say(f"{job.describe()}: resuming from its last checkpoint")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                                         os.environ.get("PYTHONPATH")])),
-               "TOKENIZERS_PARALLELISM": "false"}
-        if self.threads:
-            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        t0 = time.perf_counter()
-        status = "ok"
-        with open(run / "log.txt", "a" if resume else "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "gwt_optim", "pretrain", "--config", str(requested)]
-                                    + (["--resume"] if resume else []),
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            with self._lock:
-                self._procs.add(proc)
-            try:
-                while True:
-                    wait = None if self.kill_at is None else max(0.1, self.kill_at - time.monotonic())
-                    try:
-                        rc = proc.wait(timeout=min(wait, 5.0) if wait is not None else 5.0)
-                        break
-                    except subprocess.TimeoutExpired:
-                        if self.aborted or (self.kill_at is not None and time.monotonic() >= self.kill_at):
-                            _terminate(proc)
-                            rc, status = proc.wait(), "stopped"
-                            break
-            finally:
-                with self._lock:
-                    self._procs.discard(proc)
-        wall = time.perf_counter() - t0
-        if self.aborted and status == "ok" and rc != 0:
-            status = "stopped"
-        if status == "ok" and rc == 0 and (run / "summary.json").is_file():
-            summary = json.loads((run / "summary.json").read_text())
-            if not self.keep:
-                shutil.rmtree(run / "checkpoints", ignore_errors=True)  # bulky; summary and metrics stay
-            with self._lock:
-                self.counts["ran"] += 1
-            self._say(f"{job.describe()}: val_loss {summary['val_loss']:.4f} ({wall:.0f} s)")
-            return {**self._result(job, "ok", wall_s=wall), **_keep(summary)}
-        tail = _tail(run / "log.txt")
-        if status == "ok":
-            status = "diverged" if "training loss is" in tail and ("nan" in tail or "inf" in tail) else "failed"
-        with self._lock:
-            self.counts["failed" if status != "stopped" else "skipped"] += 1
-        self._say(f"{job.describe()}: {status.upper()} (exit {rc}, {wall:.0f} s; see {run / 'log.txt'})")
-        return self._result(job, status, error=tail[-600:], wall_s=wall)
-
-
-def same_config(have: dict[str, Any], want: dict[str, Any]) -> bool:
-    """Whether a finished run's ``config.json`` is the run ``want`` asks for. How it was driven (its folder,
-    whether it was resumed: ``DRIVING_ONLY``) is left out, so a results folder copied elsewhere, or a run
-    finished by a resume, still matches; a field that the run predates counts as equal when ``want`` has it
-    at TrainConfig's default (a new option keeps the old behaviour by default)."""
-    from gwt_optim.toolkit.train import DRIVING_ONLY, TrainConfig
-
-    want = json.loads(json.dumps(want))
-    defaults = json.loads(json.dumps(TrainConfig().to_dict()))
-    for key, value in want.items():
-        if key in DRIVING_ONLY:
-            continue
-        if key in have:
-            if have[key] != value:
-                return False
-        elif key not in defaults or defaults[key] != value:
-            return False
-    return True
-
-
-def _keep(summary: dict[str, Any]) -> dict[str, Any]:
-    keys = ("val_loss", "train_loss", "state_bytes", "steps", "tokens", "epochs", "wall_s", "ms_per_step",
-            "peak_gpu_bytes")
-    return {k: summary.get(k) for k in keys}
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    def unavailable_reason(self, job: Job) -> str | None:
+        return self.unavailable[job.spec] if job.spec in self.unavailable else None
 
 
 # --------------------------------------------------------------------------- #
@@ -1004,6 +805,12 @@ def plan_jobs(studies: list[Study], runner: Runner, *, lrs, tune_seeds, report_s
 def main(argv: list[str] | None, *, mode: str, description: str) -> int:
     start = time.monotonic()
     args = build_parser(description, mode=mode).parse_args(argv)
+    with contextlib.ExitStack() as held:  # the lock of --out, once runs may start
+        return _main(args, argv, mode=mode, start=start, held=held)
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start: float,
+          held: contextlib.ExitStack) -> int:
     out = Path(args.out)
     name = "regime" if mode == "regime" else "quality"
     plot_paths = [out / "gap-vs-batch.png"] + ([Path(args.plot)] if args.plot else [])
@@ -1082,6 +889,16 @@ def main(argv: list[str] | None, *, mode: str, description: str) -> int:
                  if runner.unavailable else ""))
         return 0
 
+    if not args.report_only:  # one writer of --out at a time (each run also locks its own folder)
+        from gwt_optim.toolkit.errors import UsageError
+        from gwt_optim.toolkit.train import lock_run_dir
+
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            held.enter_context(lock_run_dir(out))
+        except UsageError as exc:
+            print(f"{name}.py: error: {exc}", file=sys.stderr)
+            return 2
     env = environment(packages=("bitsandbytes", "galore-torch"))
     if args.commit:
         env["git_commit"] = args.commit
@@ -1098,28 +915,22 @@ def main(argv: list[str] | None, *, mode: str, description: str) -> int:
     print(f"{len(studies)} studies: " + "; ".join(f"{s.view} {s.tokens} tok/step ({len(s.contenders)} contenders, "
                                                   f"{s.shape['steps']} steps)" for s in studies), flush=True)
 
-    def on_signal(signum, frame):  # noqa: ARG001
-        print(f"\nsignal {signum}: stopping the runs in flight; reporting what finished", flush=True)
-        runner.abort()
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
-    try:
-        with ThreadPoolExecutor(max_workers=len(studies)) as pool:
-            futures = [pool.submit(run_study, st, runner, lrs=lrs, tune_seeds=tune_seeds, report_seeds=report_seeds,
-                                   gwt_options=args.gwt_options) for st in studies]
-            results = []
-            for st, fut in zip(studies, futures):
-                try:
-                    results.append(fut.result())
-                except Exception as exc:  # noqa: BLE001 - one broken study must not lose the others
-                    results.append({"view": st.view, "tokens_per_step": st.tokens, **st.shape, "lrs": lrs,
-                                    "tune_seeds": tune_seeds, "report_seeds": report_seeds,
-                                    "error": f"{type(exc).__name__}: {exc}", "contenders": {}})
-    finally:
-        runner.shutdown()
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    with _runner.abort_on_signals([runner], "stopping the runs in flight; reporting what finished"):
+        try:
+            with ThreadPoolExecutor(max_workers=len(studies)) as pool:
+                futures = [pool.submit(run_study, st, runner, lrs=lrs, tune_seeds=tune_seeds,
+                                       report_seeds=report_seeds, gwt_options=args.gwt_options) for st in studies]
+                results = []
+                for st, fut in zip(studies, futures):
+                    try:
+                        results.append(fut.result())
+                    except Exception as exc:  # noqa: BLE001 - one broken study must not lose the others
+                        results.append({"view": st.view, "tokens_per_step": st.tokens, **st.shape, "lrs": lrs,
+                                        "tune_seeds": tune_seeds, "report_seeds": report_seeds,
+                                        "error": f"{type(exc).__name__}: {exc}", "contenders": {}})
+        finally:
+            runner.shutdown()
     report.update(studies=results, counts=dict(runner.counts), wall_s=time.monotonic() - t0)
     if runner.run_env is None:  # read one run's environment (versions and device of the runs themselves)
         for st in results:

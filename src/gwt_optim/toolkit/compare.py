@@ -23,23 +23,23 @@ Everything a run prints -- its errors, third-party warnings -- goes to its
 One ``compare`` writes a folder at a time (it locks ``--out``, and each run
 locks its own folder). Ctrl-C or SIGTERM is passed on to the run in progress,
 which stops at its next step and saves before ``compare`` exits; if
-``compare`` itself is killed (SIGKILL), Linux sends the run SIGTERM.
+``compare`` itself is killed (SIGKILL), Linux sends the run SIGTERM. All of
+this is the toolkit's one runner (:mod:`gwt_optim.toolkit.runner`), which
+``benchmarks/quality.py`` drives too.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NamedTuple
+
+from gwt_optim.toolkit.runner import Runner, last_error, sigterm_stops
 
 __all__ = ["register", "run_compare", "run_dir_name"]
 
@@ -58,25 +58,6 @@ def _list_optimizers() -> int:
         spec = REGISTRY[name]
         print(f"| {name} | {spec.extra or '-'} | {spec.help} |")
     return 0
-
-
-def _launcher(nproc: int) -> list[str]:
-    if nproc <= 1:
-        return [sys.executable, "-m", "gwt_optim"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "gwt_optim"]
-
-
-def _same_config(run: Path, config: dict[str, Any]) -> bool:
-    try:
-        done = json.loads((run / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    from .train import DRIVING_ONLY
-
-    return {k: v for k, v in done.items() if k not in DRIVING_ONLY} == {
-        k: v for k, v in json.loads(json.dumps(config)).items() if k not in DRIVING_ONLY
-    }
 
 
 # What compare itself writes before a run trains: a folder holding only these
@@ -140,124 +121,6 @@ def _move_aside(runs: list[Path], out: Path) -> Path:
     return aside
 
 
-class _MetricsFollower:
-    """The newest step and losses of a run's ``metrics.jsonl``, read incrementally
-    (a resumed run truncates the file: reading then starts over)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, b""
-        self.step, self.post = 0, {}
-
-    def poll(self) -> None:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self.offset:
-            self.offset, self.partial = 0, b""
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        self.offset += len(chunk)
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            self.step = max(self.step, int(rec.get("step", 0))) if "loss" in rec else self.step
-            if "loss" in rec:
-                self.post["loss"] = f"{rec['loss']:.3f}"
-            if "val_loss" in rec:
-                self.post["val_loss"] = f"{rec['val_loss']:.3f}"
-
-
-def _last_error(log: Path) -> str:
-    """The child's one-line error, or the end of its traceback."""
-    try:
-        lines = [ln.split("\r")[-1].rstrip() for ln in log.read_text(errors="replace").splitlines()]
-    except OSError:
-        return ""
-    lines = [ln for ln in lines if ln.strip()]
-    for ln in reversed(lines):
-        if ": error: " in ln:
-            return ln
-    return "\n".join(lines[-5:])
-
-
-def _end_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has Linux send the child SIGTERM when this process
-    ends, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so a run never
-    outlives ``compare`` as a second writer; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # Resolved here, not in the child: between fork and exec only the call itself is safe.
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    parent, pr_set_pdeathsig, sigterm = os.getpid(), 1, int(signal.SIGTERM)
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: nobody would send it
-            os.kill(os.getpid(), sigterm)
-
-    return preexec
-
-
-def _signal_child(proc: subprocess.Popen, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
-        os.killpg(proc.pid, signum)
-
-
-def _train_one(cmd: list[str], run: Path, total: int, desc: str, show: bool) -> int:
-    """Run ``cmd`` with its output in ``run/log.txt`` and a progress bar here.
-
-    The child gets its own session, so a Ctrl-C at the terminal reaches only
-    this process, which passes exactly one SIGINT on: the run then stops at a
-    step boundary and saves (a second Ctrl-C passes a second one: quit now).
-    A SIGTERM here (:class:`~gwt_optim.toolkit.train.Stopped`) is passed on the
-    same way, and this waits until the run has saved."""
-    from tqdm.auto import tqdm
-
-    follower = _MetricsFollower(run / "metrics.jsonl")
-    with open(run / "log.txt", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_end_with_parent())
-        bar = tqdm(total=total, desc=desc, unit="step", disable=not show, dynamic_ncols=True, leave=False)
-        try:
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    rc = None
-                follower.poll()
-                if follower.step != bar.n:
-                    bar.update(follower.step - bar.n)
-                    bar.set_postfix(follower.post, refresh=False)
-                if rc is not None:
-                    return rc
-        except KeyboardInterrupt as stop:
-            bar.close()
-            signum = getattr(stop, "signum", signal.SIGINT)
-            again = " (Ctrl-C again to stop it at once)" if signum == signal.SIGINT else ""
-            print(f"\nstopping {desc} at its next step to save it{again}", file=sys.stderr)
-            _signal_child(proc, signum)
-            while True:
-                try:
-                    proc.wait()
-                    break
-                except KeyboardInterrupt as more:
-                    _signal_child(proc, getattr(more, "signum", signal.SIGINT))
-            raise
-        finally:
-            bar.close()
-
-
 def run_compare(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
     from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, paper_optimizers
@@ -282,7 +145,7 @@ def run_compare(args: argparse.Namespace) -> int:
         plan.append((spec, run, {**base.to_dict(), "optimizer": spec, "out": str(run), "resume": args.resume,
                                  "progress": False}))  # the bar is drawn here, from metrics.jsonl
     out.mkdir(parents=True, exist_ok=True)
-    with lock_run_dir(out), _sigterm_stops():
+    with lock_run_dir(out), sigterm_stops():
         for _, run, _ in plan:  # a run of a compare that was killed may still be saving
             if run.is_dir():
                 with lock_run_dir(run):
@@ -291,23 +154,47 @@ def run_compare(args: argparse.Namespace) -> int:
         return _run_plan(plan, out, args, base)
 
 
-@contextlib.contextmanager
-def _sigterm_stops():
-    """SIGTERM raises :class:`~gwt_optim.toolkit.train.Stopped` here, as Ctrl-C
-    raises ``KeyboardInterrupt``, so the run in progress is told and waited for."""
-    from gwt_optim.toolkit.train import Stopped
+class _Entry(NamedTuple):
+    spec: str
+    run: Path
+    config: dict[str, Any]
 
-    def handle(signum, frame):
-        raise Stopped(signum)
 
-    mine = threading.current_thread() is threading.main_thread()
-    mine = mine and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGTERM, handle) if mine else None
-    try:
-        yield
-    finally:
-        if mine:
-            signal.signal(signal.SIGTERM, previous)
+class _CompareRunner(Runner):
+    """The shared runner, one run at a time in this thread, as ``compare`` drives it: earlier runs were
+    settled before it starts (:func:`_check_existing`, ``--overwrite``), so a run trains as its config
+    says (``resume`` in it continues a checkpoint), its log is appended to, and it is announced here."""
+
+    def __init__(self, plan: list[_Entry], out: Path, args: argparse.Namespace, base: Any):
+        super().__init__(out, resume=args.resume, quiet=True, nproc_per_node=args.nproc_per_node,
+                         progress=base.progress)
+        self.index = {entry.run: i for i, entry in enumerate(plan)}
+        self.total = len(plan)
+
+    def run_dir(self, job: _Entry) -> Path:
+        return job.run
+
+    def config(self, job: _Entry) -> dict[str, Any]:
+        return job.config
+
+    def describe(self, job: _Entry) -> str:
+        return job.spec
+
+    def job_fields(self, job: _Entry) -> dict[str, Any]:
+        return {"spec": job.spec}
+
+    def tag(self, job: _Entry) -> str:
+        return f"[{self.index[job.run] + 1}/{self.total}] {job.spec}"
+
+    def prepare(self, job: _Entry) -> bool:
+        job.run.mkdir(parents=True, exist_ok=True)
+        return False
+
+    def log_mode(self, resume: bool) -> str:  # noqa: ARG002
+        return "a"
+
+    def announce(self, job: _Entry, resume: bool) -> None:  # noqa: ARG002
+        print(f"{self.tag(job)} -> {job.run}", flush=True)
 
 
 def _run_plan(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: argparse.Namespace, base: Any) -> int:
@@ -318,26 +205,26 @@ def _run_plan(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: arg
         earlier = [run for _, run, _ in plan if _holds_files(run)]
         if earlier:
             print(f"moved {len(earlier)} earlier run folder(s) to {_move_aside(earlier, out)}")
+    entries = [_Entry(*p) for p in plan]
+    runner = _CompareRunner(entries, out, args, base)
     finished, failed = [], []
-    for i, (spec, run, config) in enumerate(plan):
-        tag = f"[{i + 1}/{len(plan)}] {spec}"
-        if args.resume and _same_config(run, config) and (run / "summary.json").is_file():
-            print(f"{tag}: finished earlier, reusing {run}")
-            finished.append(run)
-            continue
-        run.mkdir(parents=True, exist_ok=True)
-        cfg_path = run / "requested_config.json"
-        cfg_path.write_text(json.dumps(config, indent=2))
-        print(f"{tag} -> {run}", flush=True)
-        cmd = [*_launcher(args.nproc_per_node), "pretrain", "--config", str(cfg_path)]
-        rc = _train_one(cmd, run, base.steps, spec, base.progress)
-        if rc == 0 and (run / "summary.json").is_file():
-            finished.append(run)
-        else:
-            failed.append((spec, rc))
-            print(f"{tag}: failed (exit code {rc}; log: {run / 'log.txt'}); continuing", file=sys.stderr)
-            if why := _last_error(run / "log.txt"):
-                print(f"  {why}", file=sys.stderr)
+    try:
+        for entry in entries:
+            result = runner.run_job(entry)
+            if result.get("reused"):
+                print(f"{runner.tag(entry)}: finished earlier, reusing {entry.run}")
+                finished.append(entry.run)
+            elif result["status"] == "ok":
+                finished.append(entry.run)
+            else:
+                rc = result.get("rc")
+                failed.append((entry.spec, rc))
+                print(f"{runner.tag(entry)}: failed (exit code {rc}; log: {entry.run / 'log.txt'}); continuing",
+                      file=sys.stderr)
+                if why := last_error(entry.run / "log.txt"):
+                    print(f"  {why}", file=sys.stderr)
+    finally:
+        runner.shutdown()
     if not finished:
         print("compare: no run finished", file=sys.stderr)
         return 1
