@@ -52,8 +52,9 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from gwt_optim.toolkit import runner as _runner  # noqa: E402
-from gwt_optim.toolkit.runner import format_spec, same_config  # noqa: E402,F401 - same_config: for callers
-from gwt_optim.toolkit.runner import split_spec as parse_spec  # noqa: E402
+from gwt_optim.registry import format_spec  # noqa: E402
+from gwt_optim.registry import split_spec as parse_spec  # noqa: E402
+from gwt_optim.toolkit.runner import same_config  # noqa: E402,F401 - same_config: for callers
 
 BAR_NATS = 0.03
 # Starts at 1e-4: on the demo at 8K tokens per step AdamW's matrices were

@@ -176,12 +176,16 @@ def test_a_killed_driver_takes_its_child_with_it(tmp_path):
 
 
 def test_spec_text_round_trips_as_written():
-    assert R.split_spec(" gwt-adamw:level=2:detail-clip=none:eps=1e-6 ") == (
+    from gwt_optim.registry import format_spec, parse_optimizer_arg, split_spec
+
+    assert split_spec(" gwt-adamw:level=2:detail-clip=none:eps=1e-6 ") == (
         "gwt-adamw", {"level": "2", "detail_clip": "none", "eps": "1e-6"})
     spec = "adamw:scale=1:regular_lr=0.003:lr=1e-2"
-    assert R.format_spec(*R.split_spec(spec)) == spec
+    assert format_spec(*split_spec(spec)) == spec
     with pytest.raises(ValueError, match="expected key=value"):
-        R.split_spec("adamw:level")
+        split_spec("adamw:level")
+    # the registry's checked parse is the same split, then each value converted
+    assert parse_optimizer_arg("gwt-adamw:level=2:detail-clip=none") == ("gwt-adamw", {"level": 2, "detail_clip": None})
 
 
 def _load(name: str):
@@ -198,7 +202,10 @@ def test_compare_and_the_protocol_share_the_one_runner():
 
     P = _load("_protocol")
     assert issubclass(P.Runner, R.Runner) and issubclass(compare._CompareRunner, R.Runner)
-    assert P.same_config is R.same_config and P.parse_spec is R.split_spec and P.format_spec is R.format_spec
+    from gwt_optim import registry
+
+    assert P.same_config is R.same_config and P.parse_spec is registry.split_spec
+    assert P.format_spec is registry.format_spec
     # no second way to start or signal a run: only the toolkit's runner starts processes
     for path in ("benchmarks/_protocol.py", "benchmarks/_budget.py", "benchmarks/quality.py",
                  "src/gwt_optim/toolkit/compare.py"):

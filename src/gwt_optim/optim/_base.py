@@ -79,7 +79,7 @@ from gwt_optim import wavelets
 from gwt_optim.optim import _fused
 from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
                                       reduce_limiter_norms)
-from gwt_optim.optim._saved import check_family, check_saved_state
+from gwt_optim.optim._saved import check_family, check_saved_state, eager_state_problem
 from gwt_optim.optim._stepper import LIMITER_EPS, ParamStep, StepBatch, Stepper, run_unplanned
 
 __all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "Route", "PATHS", "IMPLEMENTATIONS"]
@@ -210,7 +210,7 @@ class GWTOptimizer(Optimizer):
         # sync, by id (a backend hands the same tensors on every step).
         self.__dict__.setdefault("_nonfinite_counters", {})
         self.__dict__.setdefault("_warned_nonfinite", False)
-        # Expected state shapes per (group, approximation shape, ...): see _state_problem.
+        # Expected state shapes per (group, approximation shape, ...): see _saved.eager_state_problem.
         self.__dict__.setdefault("_state_specs", {})
         # Runs the batched parameters, under a plan per scope (see step()).
         self.__dict__.setdefault("_stepper", Stepper())
@@ -344,30 +344,13 @@ class GWTOptimizer(Optimizer):
         return transformed and group["norm_growth_limit"] is not None
 
     def _fused_kernel(self, group: dict, w: Tensor, G: Tensor, level: int) -> _fused.FusedBackend | None:
-        """A fused kernel backend for the transformed Haar step of this
-        parameter (level >= 1, fast path), or ``None`` for the generic path.
-
-        A backend follows :class:`gwt_optim.optim._fused.FusedBackend`:
-        ``phase1(group, state, G, level, step) -> (norm_sq, carry)`` updates
-        the family state and returns the limiter's squared norm, and
-        ``phase2(w, G, level, carry, r, scale, decay)`` applies
-        ``w <- w * decay - scale / r * delta``; phase 2 may run right after its
-        phase 1 or after other parameters' phase 1. A backend with
-        ``batched = True`` also provides ``step_many(items, limiter_eps)``, the
-        whole step of many parameters at once (with the limiter and the
-        non-finite check), for every parameter that needs no collective;
-        ``items`` are ``(ParamStep, alpha * lr * step_factor, 1 - lr * weight_decay)``.
-        It may also provide ``step_batches(batches, limiter_eps, *, key)``, the
-        same for a list of :class:`StepBatch` that stays the same from step to
-        step (the optimizer's step plan, or one parameter's for
-        :meth:`step_param`); without it, the plans call ``step_many``.
-
-        ``G`` is first the gradient in its own dtype: a backend whose
-        ``supports`` accepts that dtype reads it as it is (no copy); otherwise
-        the optimizer casts it to the compute dtype and asks again. The state
-        is checked with :func:`~gwt_optim.optim._fused.state_problem` before a
-        backend sees it. Fused steps skip :meth:`_postprocess`. The default
-        has none.
+        """A fused backend (:class:`gwt_optim.optim._fused.FusedBackend`) for
+        this parameter's step at ``level`` (0: the plain step, which only a
+        ``batched`` backend may take), or ``None`` for the eager path; the
+        default has none. :meth:`route` asks first with the gradient ``G`` in
+        its own dtype, then in the compute dtype. The state is checked with
+        :func:`~gwt_optim.optim._fused.state_problem` before a backend sees
+        it, and fused steps skip :meth:`_postprocess`.
         """
         return None
 
@@ -425,24 +408,6 @@ class GWTOptimizer(Optimizer):
         self._init_family_state(group, state, approx, approx.dtype, transformed)
         return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
 
-    def _state_problem(self, group: dict, state: dict, approx: Tensor, moment_dtype, transformed: bool) -> str | None:
-        """What makes an existing state unfit for this eager step, or None."""
-        key = (id(group), tuple(approx.shape), transformed, moment_dtype)
-        spec = self._state_specs.get(key)
-        if spec is None:
-            spec = self._state_specs[key] = self._expected_state(group, tuple(approx.shape), transformed)
-        for name, shape in spec.items():
-            problem = _fused.state_shape_problem(state, name, shape, group["level"] if transformed else 0)
-            if problem is not None:
-                return problem
-            t = state[name]
-            if t.device != approx.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
-                return (
-                    f"state {name!r} is a {t.dtype} tensor on {t.device}, "
-                    f"the step runs in {approx.dtype} on {approx.device}"
-                )
-        return None
-
     def _describe(self, p: Tensor) -> str:
         """``parameter i of group j (shape ...)``, for messages (a scan: errors only)."""
         for gi, group in enumerate(self.param_groups):
@@ -471,20 +436,14 @@ class GWTOptimizer(Optimizer):
         """One step of every parameter with a gradient.
 
         Each parameter takes the path :meth:`route` gives it. Those that
-        batched fused kernels step (all GWT-AdamW weights on CUDA) follow a
-        *plan* (:mod:`gwt_optim.optim._stepper`): the routing, checks and
-        ParamSteps of the last step, reused while the parameters with
-        gradients, their addresses, shapes, strides and dtypes, the gradients'
-        dtypes, shapes and strides, the state objects, the group dicts and
-        their routing options (:meth:`_route_key`) are as they were. Then a
-        step costs a few list comparisons and one call per backend instead of
-        the per-parameter checks, and the step counts of those parameters
-        (``state["step"]``, CPU float32 tensors as always) advance together:
-        they are views of one tensor, advanced by one in-place add. Anything
-        else (``load_state_dict``, ``add_param_group``, a new level, a moved
-        parameter, a gradient that appears or goes) makes a new plan on that
-        step, after the full checks. Learning rates and other scalars are read
-        on every step.
+        batched fused kernels step (all GWT-AdamW weights on CUDA, most on
+        CPU) run under the stepper's plan (:mod:`gwt_optim.optim._stepper`):
+        the last step's routing and checks, reused while the parameters, their
+        gradients' dtype and layout, their state tensors and the groups'
+        routing options (:meth:`_route_key`) are as they were; their step
+        counts are then views of one tensor, advanced by one add. Anything
+        else makes a new plan, after the full checks. Learning rates and other
+        scalars are read on every step.
 
         ``step`` and :meth:`step_param` opt out of ``torch.compile`` tracing (a
         compiled caller runs them eagerly; ``fullgraph=True`` raises): compile
@@ -709,7 +668,7 @@ class GWTOptimizer(Optimizer):
             if fused is not None:
                 problem = _fused.state_problem(w, G, lstate, level, md)
             else:
-                problem = self._state_problem(group, lstate, A, md, transformed)
+                problem = eager_state_problem(self, group, lstate, A, md, transformed)
             if problem is not None:
                 raise ValueError(f"{self._family}: {self._describe(p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.

@@ -131,7 +131,7 @@ class FusedBackend(Protocol):
 def state_shape_problem(state: dict, key: str, expected: tuple, level: int, *, of: str = "") -> str | None:
     """Why ``state[key]`` is missing or has the wrong shape for a level-``level``
     step (``of`` names the parameter's shape), or None. Shared by the kernels'
-    check and the eager paths' (``GWTOptimizer._state_problem``)."""
+    check and the eager paths' (``_saved.eager_state_problem``)."""
     t = state.get(key)
     if not isinstance(t, Tensor):
         return f"its state has no tensor {key!r} (keys: {sorted(state)})"

@@ -1,6 +1,7 @@
-"""Checks on a state dict before :meth:`GWTOptimizer.load_state_dict` loads
-any of it: which optimizer saved it, and whether every saved state tensor fits
-its parameter at its group's level. Nothing is changed when one fails."""
+"""Checks on saved state: before :meth:`GWTOptimizer.load_state_dict` loads
+any of a state dict (which optimizer saved it, and whether every saved state
+tensor fits its parameter at its group's level; nothing is changed when one
+fails), and before an eager step uses an existing state."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
+from gwt_optim.optim._fused import state_shape_problem
 
-__all__ = ["check_family", "check_saved_state"]
+__all__ = ["check_family", "check_saved_state", "eager_state_problem"]
 
 
 def _approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
@@ -95,3 +97,24 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
                     continue
                 where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
                 raise ValueError(f"{opt._family}: {where}: {problem}")
+
+
+def eager_state_problem(opt: Any, group: dict, state: dict, approx: Tensor, moment_dtype,
+                        transformed: bool) -> str | None:
+    """What makes an existing state unfit for this eager step of ``opt``, or
+    None (the fused paths check with :func:`gwt_optim.optim._fused.state_problem`)."""
+    key = (id(group), tuple(approx.shape), transformed, moment_dtype)
+    spec = opt._state_specs.get(key)
+    if spec is None:
+        spec = opt._state_specs[key] = opt._expected_state(group, tuple(approx.shape), transformed)
+    for name, shape in spec.items():
+        problem = state_shape_problem(state, name, shape, group["level"] if transformed else 0)
+        if problem is not None:
+            return problem
+        t = state[name]
+        if t.device != approx.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
+            return (
+                f"state {name!r} is a {t.dtype} tensor on {t.device}, "
+                f"the step runs in {approx.dtype} on {approx.device}"
+            )
+    return None

@@ -35,10 +35,12 @@ from gwt_optim.registry.base import (
     OptimizerConfig,
     OptimizerSpec,
     build_optimizer,
+    format_spec,
     gwt_group_options,
     parse_optimizer_arg,
     register,
     require,
+    split_spec,
     validate_optimizer_spec,
 )
 
@@ -55,6 +57,8 @@ __all__ = [
     "register",
     "build_optimizer",
     "parse_optimizer_arg",
+    "split_spec",
+    "format_spec",
     "validate_optimizer_spec",
     "SHARED_OPTIONS",
     "GWT_OPTIONS",

@@ -22,6 +22,8 @@ __all__ = [
     "register",
     "build_optimizer",
     "parse_optimizer_arg",
+    "split_spec",
+    "format_spec",
     "validate_optimizer_spec",
     "SHARED_OPTIONS",
     "GWT_OPTIONS",
@@ -166,19 +168,30 @@ def _check_options(name: str, opts: dict[str, Any]) -> None:
             raise ValueError(f"{name}: option {key}={value!r} must be in [0, 1)")
 
 
+def split_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``"gwt-adamw:level=2:eps=1e-6"`` -> ``("gwt-adamw", {"level": "2", "eps": "1e-6"})``: values kept as
+    written, keys with ``-`` read as ``_``; nothing is checked against the registry (see
+    :func:`parse_optimizer_arg`)."""
+    name, *pairs = text.strip().split(":")
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ValueError(f"bad optimizer option {bad[0]!r} in {text!r}; expected key=value")
+    return name.strip(), {k.strip().replace("-", "_"): v.strip() for k, v in (p.split("=", 1) for p in pairs)}
+
+
+def format_spec(name: str, opts: dict[str, Any]) -> str:
+    """The inverse of :func:`split_spec`."""
+    return ":".join([name, *(f"{k}={v}" for k, v in opts.items())])
+
+
 def parse_optimizer_arg(text: str) -> tuple[str, dict[str, Any]]:
     """``"gwt-adamw:level=3:scale=0.5"`` -> ``("gwt-adamw", {"level": 3, "scale": 0.5})``.
 
     Names and option keys and kinds are checked here, so a typo fails before
     any training starts.
     """
-    name, *pairs = text.strip().split(":")
-    opts: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"bad optimizer option {pair!r} in {text!r}; expected key=value")
-        key, value = pair.split("=", 1)
-        opts[key.strip().replace("-", "_")] = _convert(value.strip())
+    name, raw = split_spec(text)
+    opts: dict[str, Any] = {key: _convert(value) for key, value in raw.items()}
     if name not in REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
     _check_options(name, opts)

@@ -16,10 +16,12 @@ from gwt_optim.registry import (
     OptimizerConfig,
     OptimizerSpec,
     build_optimizer,
+    format_spec,
     gwt_group_options,
     parse_optimizer_arg,
     register,
     require,
+    split_spec,
     validate_optimizer_spec,
 )
 from gwt_optim.registry import __all__ as _core_names

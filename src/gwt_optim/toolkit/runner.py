@@ -23,10 +23,10 @@ Linux sends each child SIGTERM (``PR_SET_PDEATHSIG``), so a run never
 outlives its driver as a second writer. A failed, diverged or stopped run is a
 result with a ``status``, never an exception.
 
-:func:`split_spec` and :func:`format_spec` read and write a spec
-``name:key=value:...`` as text, values as written (run folders and reused runs
-are named by that text); :func:`gwt_optim.toolkit.registry.parse_optimizer_arg`
-checks a spec and converts its values.
+Specs are read and written as text by :func:`gwt_optim.registry.split_spec`
+and :func:`~gwt_optim.registry.format_spec` (run folders and reused runs are
+named by that text); :func:`~gwt_optim.registry.parse_optimizer_arg` checks a
+spec and converts its values.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 __all__ = [
     "Runner",
     "same_config",
-    "split_spec",
-    "format_spec",
     "launcher",
     "last_error",
     "sigterm_stops",
@@ -62,21 +60,6 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 # Specs as text
 # --------------------------------------------------------------------------- #
-
-
-def split_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"gwt-adamw:level=2:eps=1e-6"`` -> ``("gwt-adamw", {"level": "2", "eps": "1e-6"})``: values kept as
-    written, keys with ``-`` read as ``_``; nothing is checked against the registry."""
-    name, *pairs = spec.strip().split(":")
-    bad = [p for p in pairs if "=" not in p]
-    if bad:
-        raise ValueError(f"bad option {bad[0]!r} in {spec!r}; expected key=value")
-    return name.strip(), {k.strip().replace("-", "_"): v.strip() for k, v in (p.split("=", 1) for p in pairs)}
-
-
-def format_spec(name: str, opts: dict[str, Any]) -> str:
-    """The inverse of :func:`split_spec`."""
-    return ":".join([name, *(f"{k}={v}" for k, v in opts.items())])
 
 
 # --------------------------------------------------------------------------- #
