@@ -338,10 +338,10 @@ PEER_MENTIONS_ONLY = {
 def test_the_peer_recipe_names_every_file_that_lists_the_peers():
     from gwt_optim.toolkit.registry import REGISTRY
 
-    peers = {n for n, spec in REGISTRY.items() if spec.factory.__module__ == "gwt_optim.toolkit.peers"}
+    peers = {n for n, spec in REGISTRY.items() if spec.factory.__module__ == "gwt_optim.registry.peers"}
     assert {"galore", "adam8bit", "muon"} <= peers
     lists = _listing(peers, 3)
-    assert "src/gwt_optim/toolkit/peers.py" in lists and "src/gwt_optim/memory/estimate.py" in lists
+    assert "src/gwt_optim/registry/peers.py" in lists and "src/gwt_optim/memory/estimate.py" in lists
     unnamed = sorted(lists - _named("How to add a peer") - set(PEER_MENTIONS_ONLY))
     assert not unnamed, ("files that list the peers, missing from 'How to add a peer' in "
                          f"docs/architecture.md: {unnamed}")

