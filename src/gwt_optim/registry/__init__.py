@@ -27,41 +27,11 @@ The package is split by job: :mod:`.base` (the machinery, ``adamw`` and
 
 from __future__ import annotations
 
-from gwt_optim.registry.base import (
-    GWT_OPTIONS,
-    REGISTRY,
-    SHARED_OPTIONS,
-    MissingDependency,
-    OptimizerConfig,
-    OptimizerSpec,
-    build_optimizer,
-    format_spec,
-    gwt_group_options,
-    parse_optimizer_arg,
-    register,
-    require,
-    split_spec,
-    validate_optimizer_spec,
-)
+# The public names are base's; this package adds its entries.
+from gwt_optim.registry.base import *  # noqa: F403
+from gwt_optim.registry.base import __all__
 
 # Imported unconditionally: a broken or misspelt module must fail loudly, not
 # silently drop its optimizers. Peers first: the registration order of old.
 from gwt_optim.registry import peers as _peers  # noqa: F401  (registers its entries)
 from gwt_optim.registry import families as _families  # noqa: F401  (registers its entries)
-
-__all__ = [
-    "OptimizerConfig",
-    "OptimizerSpec",
-    "REGISTRY",
-    "MissingDependency",
-    "register",
-    "build_optimizer",
-    "parse_optimizer_arg",
-    "split_spec",
-    "format_spec",
-    "validate_optimizer_spec",
-    "SHARED_OPTIONS",
-    "GWT_OPTIONS",
-    "gwt_group_options",
-    "require",
-]
