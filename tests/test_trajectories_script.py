@@ -1,0 +1,37 @@
+"""benchmarks/trajectories.py: the bitwise comparison finds a one-bit
+difference, a NaN payload and a missing case, and passes identical ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_trajectories", ROOT / "benchmarks" / "trajectories.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_compare_is_bitwise(tmp_path, capsys):
+    T = _load()
+    w = torch.randn(4, 8)
+    base = {"a": {"params": [w], "state": {0: {"step": torch.tensor(3.0)}}, "sd_bytes": b"x"}}
+    torch.save(base, tmp_path / "a.pt")
+    torch.save({"a": {**base["a"], "params": [w.clone()]}}, tmp_path / "same.pt")
+    assert T.compare(str(tmp_path / "a.pt"), str(tmp_path / "same.pt")) == 0
+    flipped = w.clone()
+    flipped.view(torch.int32)[0, 0] ^= 1  # one bit of one weight
+    torch.save({"a": {**base["a"], "params": [flipped]}, "b": base["a"]}, tmp_path / "b.pt")
+    assert T.compare(str(tmp_path / "a.pt"), str(tmp_path / "b.pt")) == 1
+    out = capsys.readouterr().out
+    assert "| a | params |" in out and "| b | only in" in out and "2 differ" in out
+    assert not T._equal(torch.tensor([float("nan")]), torch.tensor([-float("nan")]))
+    assert not T._equal(torch.tensor([0.0]), torch.tensor([-0.0]))
