@@ -534,16 +534,8 @@ def main(argv: list[str] | None, description: str) -> int:
     if args.commit:
         env["git_commit"] = args.commit
     with contextlib.ExitStack() as held:
-        if not args.report_only:  # one writer of --out at a time (each run also locks its own folder)
-            from gwt_optim.toolkit.errors import UsageError
-            from gwt_optim.toolkit.train import lock_run_dir
-
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            try:
-                held.enter_context(lock_run_dir(Path(args.out)))
-            except UsageError as exc:
-                print(f"quality.py --budget: error: {exc}", file=sys.stderr)
-                return 2
+        if not args.report_only and not P.lock_out(held, Path(args.out), "quality.py --budget"):
+            return 2  # one writer of --out at a time
         return _run_and_report(args, argv, base, data, env, threads, start)
 
 

@@ -54,7 +54,7 @@ if str(ROOT / "src") not in sys.path:
 from gwt_optim.toolkit import runner as _runner  # noqa: E402
 from gwt_optim.registry import format_spec  # noqa: E402
 from gwt_optim.registry import split_spec as parse_spec  # noqa: E402
-from gwt_optim.toolkit.runner import same_config  # noqa: E402,F401 - same_config: for callers
+from gwt_optim.toolkit.runner import lock_out, same_config  # noqa: E402,F401 - same_config: for callers
 
 BAR_NATS = 0.03
 # Starts at 1e-4: on the demo at 8K tokens per step AdamW's matrices were
@@ -890,16 +890,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
                  if runner.unavailable else ""))
         return 0
 
-    if not args.report_only:  # one writer of --out at a time (each run also locks its own folder)
-        from gwt_optim.toolkit.errors import UsageError
-        from gwt_optim.toolkit.train import lock_run_dir
-
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            held.enter_context(lock_run_dir(out))
-        except UsageError as exc:
-            print(f"{name}.py: error: {exc}", file=sys.stderr)
-            return 2
+    if not args.report_only and not lock_out(held, out, f"{name}.py"):  # one writer of --out at a time
+        return 2
     env = environment(packages=("bitsandbytes", "galore-torch"))
     if args.commit:
         env["git_commit"] = args.commit

@@ -247,3 +247,38 @@ print(json.dumps({"loaded": loaded, "names": sorted(REGISTRY), "built": built,
     assert result["loaded"] == []
     assert result["same"] and len(result["names"]) >= 10
     assert result["built"] == {"adamw": "AdamW", "gwt-adamw": "GWTAdamW", "gwt-adafactor": "GWTAdafactor"}
+
+
+# The layers of docs/architecture.md, bottom first: a module imports its own
+# layer and the layers below it, never one above.
+LAYERS = [
+    ("gwt_optim.wavelets", "gwt_optim._cache"),
+    ("gwt_optim.optim",),
+    ("gwt_optim.groups", "gwt_optim.backward"),
+    ("gwt_optim.registry",),
+    ("gwt_optim.memory", "gwt_optim.integrations"),
+    ("gwt_optim",),  # the package's own __init__: the public names, re-exported
+    ("gwt_optim.toolkit",),
+    ("gwt_optim.cli",),
+    ("gwt_optim.__main__",),
+]
+
+
+def _layer(module: str) -> tuple[int, str]:
+    for rank, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or (name != "gwt_optim" and _in(module, name)):
+                return rank, name
+    raise AssertionError(f"{module} is in no layer of LAYERS")
+
+
+def test_every_import_points_down():
+    top, inner = _graph()
+    upward = {}
+    for m in top:
+        rank, home = _layer(m)
+        bad = sorted(n for n in top[m] | inner[m]
+                     if _layer(n)[0] > rank or (_layer(n)[0] == rank and _layer(n)[1] != home))
+        if bad:
+            upward[m] = bad
+    assert not upward, upward

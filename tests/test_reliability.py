@@ -530,3 +530,23 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
         assert callable(getattr(_fused.FusedBackend, name))
         assert callable(getattr(_fused.NativeBackend, name))
     assert _fused.NativeBackend.batched is True
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_impl_and_compile(how):
+    import copy
+    import pickle
+
+    from gwt_optim import GWTAdamW
+
+    p = torch.nn.Parameter(torch.randn(8, 32))
+    opt = GWTAdamW([p], lr=1e-2, impl="reference", compile=False)
+    p.grad = torch.randn(8, 32)
+    opt.step()
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert (twin._impl, twin._compile) == ("reference", False)
+    q = next(iter(twin.state))
+    q.grad = p.grad.clone()
+    twin.step()
+    (ps,) = [twin.route(twin.param_groups[0], q, q.grad)]
+    assert ps.path == "reference"

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -253,3 +254,32 @@ def test_a_second_protocol_on_the_same_out_is_refused(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert "quality.py: error:" in err and "in use by another gwt-optim process" in err
     assert not (out / "quality.json").exists()
+
+
+def test_the_child_is_the_command_itself_after_the_wrapper(tmp_path):
+    # end_with_parent execs the command in the same process: its pid, output and exit status are the command's
+    cmd = R.end_with_parent([sys.executable, "-c", "import os, sys; print(os.getpid()); sys.exit(3)"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and int(out) == proc.pid
+
+
+def test_ctrl_c_again_reaches_the_runs():
+    class Stub:
+        aborted = False
+        sent: list = []
+
+        def abort(self):
+            self.aborted = True
+            self.sent.append("abort")
+
+        def signal_runs(self, signum):
+            self.sent.append(signum)
+
+    stub = Stub()
+    with R.abort_on_signals([stub], "stopping"):
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        handler(signal.SIGTERM, None)  # a repeated SIGTERM asks again for the same stop
+        handler(signal.SIGINT, None)
+    assert stub.sent == ["abort", "abort", signal.SIGINT]

@@ -240,6 +240,12 @@ class GWTOptimizer(Optimizer):
         self._stepper.drop()
         super().add_param_group(param_group)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps only defaults, state and groups: a copy or a pickle would
+        # come back with impl="fast" and compile=None, and take the fused
+        # kernels its original was told not to.
+        return {**super().__getstate__(), "_impl": self._impl, "_compile": self._compile}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # Older checkpoints may lack keys added later; fill with the defaults.

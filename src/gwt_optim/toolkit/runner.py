@@ -42,7 +42,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 __all__ = [
     "Runner",
@@ -52,6 +52,7 @@ __all__ = [
     "sigterm_stops",
     "abort_on_signals",
     "end_with_parent",
+    "lock_out",
     "signal_group",
     "MetricsFollower",
 ]
@@ -104,30 +105,49 @@ def launcher(nproc: int) -> list[str]:
             "-m", "gwt_optim"]
 
 
-def end_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has Linux send the child SIGTERM when this process
-    ends, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so a run never
-    outlives its driver as a second writer; None elsewhere. (Linux ties the
-    signal to the thread that started the child: each :class:`Runner` thread
-    waits for its child.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # Resolved here, not in the child: between fork and exec only the call itself is safe.
+# Run by the child's own interpreter before it execs the real command: Linux
+# then sends it SIGTERM when the thread that started it ends, even by SIGKILL
+# (prctl(PR_SET_PDEATHSIG), which survives exec). Not a preexec_fn: that runs
+# between fork and exec, where a lock another thread of this process held at
+# the fork (the runner forks from several threads) can deadlock the child.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    parent, pr_set_pdeathsig, sigterm = os.getpid(), 1, int(signal.SIGTERM)
+    prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before the call: nobody would send it
+    sys.exit(128 + int(signal.SIGTERM))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: nobody would send it
-            os.kill(os.getpid(), sigterm)
 
-    return preexec
+def end_with_parent(command: list[str]) -> list[str]:
+    """``command`` run so that Linux sends it SIGTERM when this process ends,
+    even by SIGKILL, so a run never outlives its driver as a second writer
+    (elsewhere ``command`` as it is). Linux ties the signal to the thread that
+    starts the child: each :class:`Runner` thread waits for its child."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+def lock_out(stack: contextlib.ExitStack, out: Path, prog: str) -> bool:
+    """Hold ``out`` against a second writer for the life of ``stack``
+    (``train.lock_run_dir``; each run also locks its own folder). False, after
+    one line on stderr naming ``prog``, when another process holds it."""
+    from gwt_optim.toolkit.errors import UsageError
+    from gwt_optim.toolkit.train import lock_run_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        stack.enter_context(lock_run_dir(out))
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -169,9 +189,16 @@ def sigterm_stops() -> Iterator[None]:
 @contextlib.contextmanager
 def abort_on_signals(runners: Sequence["Runner"], message: str) -> Iterator[None]:
     """While the block runs, SIGINT or SIGTERM prints ``signal N: MESSAGE`` and aborts ``runners`` (their runs
-    in flight are told to stop and save; the block then reports what finished)."""
+    in flight are told to stop and save; the block then reports what finished). A second SIGINT reaches the
+    runs as one (their children lead their own sessions, so the terminal's does not): they quit at once."""
 
     def on_signal(signum, frame):  # noqa: ARG001
+        if signum == signal.SIGINT and any(r.aborted for r in runners):
+            # Ctrl-C again: as at a run's own terminal, the runs quit without saving.
+            print(f"\nsignal {signum} again: the runs in flight quit without saving", flush=True)
+            for r in runners:
+                r.signal_runs(signal.SIGINT)
+            return
         print(f"\nsignal {signum}: {message}", flush=True)
         for r in runners:
             r.abort()
@@ -338,11 +365,15 @@ class Runner:
     def abort(self) -> None:
         """Stop: start nothing more and tell the runs in flight to stop (they save; reported as stopped)."""
         self.aborted = True
+        self.signal_runs(signal.SIGTERM)
+
+    def signal_runs(self, signum: int) -> None:
+        """``signum`` to every run in flight (the worker threads wait for them and kill any that linger)."""
         with self._lock:
             procs = list(self._procs)
-        for proc in procs:  # the worker threads wait for them and kill any that linger
+        for proc in procs:
             if proc.poll() is None:
-                signal_group(proc, signal.SIGTERM)
+                signal_group(proc, signum)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True)
@@ -444,9 +475,9 @@ class Runner:
         t0 = time.perf_counter()
         status = "ok"
         with open(run / "log.txt", self.log_mode(resume)) as log:
-            proc = subprocess.Popen(self.command(requested, resume), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self._environment(), cwd=self.cwd,
-                                    start_new_session=True, preexec_fn=end_with_parent())
+            proc = subprocess.Popen(end_with_parent(self.command(requested, resume)), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._environment(),
+                                    cwd=self.cwd, start_new_session=True)
             with self._lock:
                 self._procs.add(proc)
             try:
