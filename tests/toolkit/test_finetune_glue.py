@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gwt_optim.toolkit.finetune import glue
-from gwt_optim.toolkit.finetune.common import HubUnavailable
+from gwt_optim.toolkit.finetune import glue, glue_data
+from gwt_optim.toolkit.finetune.common import HubUnavailable, prepare_hub_access
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "finetune" / "glue"
 
@@ -79,11 +79,11 @@ def test_hub_loading_offline_fails_with_the_fix(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", "/nonexistent-gwt-test-cache")
-    assert glue.prepare_hub_access() is False
+    assert prepare_hub_access() is False
     with pytest.raises(HubUnavailable, match="--data-dir"):
         glue.load_glue(glue.GLUE_TASKS["cola"], None)
     with pytest.raises(HubUnavailable, match="--model DIR"):
-        glue._load_glue_tokenizer("roberta-base-gwt-test-not-cached")
+        glue_data._load_glue_tokenizer("roberta-base-gwt-test-not-cached")
 
 
 def test_local_data_in_glue_columns():

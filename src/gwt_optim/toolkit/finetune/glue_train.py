@@ -1,0 +1,153 @@
+"""Training of ``finetune glue``: one (method, task) run with the Hugging Face
+``Trainer`` on a fresh copy of the encoder, and the whole comparison with its
+``results.json`` and ``results.md``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from gwt_optim.toolkit.finetune.common import (
+    MethodSpec,
+    PeakMemory,
+    atomic_write_json,
+    atomic_write_text,
+    optimizer_state_bytes,
+    parse_methods,
+    pick_device,
+    prepare_hub_access,
+    run_measured,
+)
+from gwt_optim.toolkit.finetune.glue_data import _limit, _load_glue_tokenizer, _load_model, _tokenize, load_glue
+from gwt_optim.toolkit.finetune.glue_report import glue_report
+from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task
+
+__all__ = ["GlueSettings", "run_glue"]
+
+
+@dataclass
+class GlueSettings:
+    model: str = "roberta-base"
+    data_dir: str | None = None
+    lr: float = 1e-5
+    scale: float = 2.0
+    batch_size: int = 16
+    max_length: int = 512
+    epochs: float = 3.0
+    max_steps: int = -1
+    warmup: float = 0.06
+    weight_decay: float = 0.0
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    seed: int = 42
+    device: str = "auto"
+    # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
+    isolate: bool | None = None
+    progress: bool = True
+
+
+def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSettings, work_dir: Path) -> dict:
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
+
+    from gwt_optim.integrations import create_gwt_optimizer
+
+    device = pick_device(settings.device)
+    set_seed(settings.seed)  # the same classifier head for every method
+    model = _load_model(settings.model, task)
+    targs = TrainingArguments(
+        output_dir=str(work_dir),
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        learning_rate=settings.lr,
+        weight_decay=settings.weight_decay,
+        num_train_epochs=settings.epochs,
+        max_steps=settings.max_steps,
+        lr_scheduler_type="linear",
+        warmup_steps=settings.warmup,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        seed=settings.seed,
+        use_cpu=device.type == "cpu",
+        disable_tqdm=not settings.progress,
+        dataloader_num_workers=0,
+    )
+    optimizer, scheduler = create_gwt_optimizer(
+        model, targs, optimizer=spec.optimizer, scale=settings.scale, options=dict(spec.options)
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=data["train"],
+        data_collator=DataCollatorWithPadding(tokenizer),
+        optimizers=(optimizer, scheduler),
+    )
+    memory = PeakMemory(device)
+    memory.reset()
+    start = time.perf_counter()
+    train_out = trainer.train()
+    train_seconds = time.perf_counter() - start
+    peak = memory.peak_bytes()
+    predictions, references = {}, {}
+    for split in task.eval_splits:
+        pred = trainer.predict(data[split])
+        logits = torch.as_tensor(pred.predictions)
+        predictions[split] = logits.squeeze(-1) if task.is_regression else logits.argmax(-1)
+        references[split] = torch.as_tensor(pred.label_ids)
+    scores = score_task(task, predictions, references)
+    # Plain numbers only: with --isolate a spawned worker pickles this back.
+    return {
+        "task": task.name,
+        "method": spec.label,
+        "scores": scores,
+        "train_loss": float(train_out.training_loss),
+        "steps": int(train_out.global_step),
+        "train_seconds": train_seconds,
+        "train_samples_per_second": float(train_out.metrics.get("train_samples_per_second", float("nan"))),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": memory.kind,
+    }
+
+
+def run_glue(
+    tasks: Sequence[str], methods: Sequence[str], settings: GlueSettings, out_dir: str | Path
+) -> tuple[list[dict], str]:
+    """Fine-tune every method on every task; write ``results.json`` and ``results.md``.
+
+    Returns the per-run records and the markdown report.
+    """
+    unknown = [t for t in tasks if t not in GLUE_TASKS]
+    if unknown:
+        raise ValueError(f"unknown GLUE task(s) {unknown}; choose from {', '.join(GLUE_TASKS)}")
+    specs = parse_methods(methods)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not Path(settings.model).exists() or settings.data_dir is None:
+        prepare_hub_access()
+    tokenizer = _load_glue_tokenizer(settings.model)
+    isolate = pick_device(settings.device).type == "cpu" if settings.isolate is None else settings.isolate
+    records: list[dict] = []
+    for name in tasks:
+        task = GLUE_TASKS[name]
+        data = load_glue(task, settings.data_dir)
+        data = _limit(data, task, settings)
+        data = _tokenize(data, tokenizer, task, settings.max_length)
+        for spec in specs:
+            print(f"[finetune glue] {task.title} with {spec.label}", flush=True)
+            work_dir = out_dir / "runs" / f"{name}-{_slug(spec.label)}"
+            record = run_measured(isolate, _run_one, task, spec, tokenizer, data, settings, work_dir)
+            records.append(record)
+            atomic_write_json(out_dir / "results.json", {"settings": settings.__dict__, "runs": records})
+    report = glue_report(records, tasks, [s.label for s in specs], settings)
+    atomic_write_text(out_dir / "results.md", report)
+    return records, report
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
