@@ -32,6 +32,16 @@ LIMITER_EPS = 1e-8
 STEP = "step"
 
 _data_ptr = Tensor.data_ptr  # for map(): no Python frame per tensor
+_grad = operator.attrgetter("grad")
+
+
+def _layout(p: Tensor, g: Tensor) -> tuple:
+    return g.dtype, g.is_contiguous(), p.data_ptr(), p.shape, p.stride(), g.stride()
+
+
+def _same(a: list, b: list) -> bool:
+    """The same objects, in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 @dataclass
@@ -134,70 +144,69 @@ class Plan:
     fast: list[ParamStep]  # the planned parameters' steps, reused
     fast_params: list[Tensor]
     fast_states: list[dict]
-    param_addresses: list[int]
-    shapes: list[torch.Size]
-    grad_specs: list[tuple]  # (dtype, contiguous) of each gradient
-    # (weight's, gradient's) strides of each: p.data = p.data.t() keeps a square
-    # weight's address and shape, and the kernels would read it as rows.
-    strides: list[tuple]
+    # Of each planned parameter, _layout: its gradient's dtype and contiguity,
+    # its address and shape, and the weight's and the gradient's strides
+    # (p.data = p.data.t() keeps a square weight's address and shape, and the
+    # kernels would read it as rows).
+    layouts: list[tuple]
     values: list[Tensor]  # every tensor of the planned states, in order
     addresses: list[int]  # and their addresses
     counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
     version: int  # counter._version after the last add_
     batches: list[tuple[Any, list[StepBatch]]]  # per backend
+    flat: list[StepBatch]  # the same StepBatches in one list
 
-    def grads(self, host: Host, groups: list[dict], params: list[Tensor], states: list) -> list[Tensor] | None:
-        """The planned parameters' gradients if this step may repeat the plan,
-        else None. It may with the same scope (``groups``, ``params`` and
-        ``states`` as they are now), the groups' routing options and step
-        counts (nothing wrote them but the plan), the planned parameters and
-        their state tensors as they were (see :class:`StepBatch`), and
-        gradients the backends take the same way."""
-        if self.state is not host.state or self.counter._version != self.version:
-            return None
-        if len(groups) != len(self.groups) or not all(map(operator.is_, groups, self.groups)):
-            return None  # a group dict replaced: the batches would read the old one's lr
-        if [host._route_key(g) for g in groups] != self.routes:
-            return None
-        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return None
-        # Every state dict, in order (no hashing of parameters): one replaced,
-        # added or removed shows here.
-        if len(states) != len(self.states) or not all(map(operator.is_, states, self.states)):
+    @property
+    def grad_specs(self) -> list[tuple]:
+        """(dtype, contiguous) of each planned gradient."""
+        return [layout[:2] for layout in self.layouts]
+
+    def holds_scope(self, groups: list[dict], params: list[Tensor], states: list) -> bool:
+        """Whether the scope is as it was: the same group dicts (the batches
+        read their lr and weight decay), parameters and state dicts, in order
+        (no hashing of parameters: one replaced, added or removed shows)."""
+        return (_same(groups, self.groups) and _same(params, self.params) and _same(states, self.states))
+
+    def grads(self, host: Host) -> list[Tensor] | None:
+        """The planned parameters' gradients if this step may repeat the plan
+        (its scope holding, :meth:`holds_scope`), else None. It may with the
+        groups' routing options and the step counts as they were (nothing
+        wrote them but the plan), the planned parameters and their state
+        tensors as they were (see :class:`StepBatch`), and gradients the
+        backends take the same way."""
+        if (self.state is not host.state or self.counter._version != self.version
+                or list(map(host._route_key, self.groups)) != self.routes):
             return None
         fast = self.fast_params
-        grads = [p.grad for p in fast]
+        grads = list(map(_grad, fast))
         try:
             # torch's grad setter keeps a gradient's shape and device the
             # parameter's; a sparse one is not contiguous.
-            specs = [(g.dtype, g.is_contiguous()) for g in grads]
+            if list(map(_layout, fast, grads)) != self.layouts:
+                return None
         except AttributeError:  # a gradient is None
             return None
         values = [v for st in self.fast_states for v in st.values()]
-        holds = (
-            specs == self.grad_specs
-            and list(map(_data_ptr, fast)) == self.param_addresses
-            and [p.shape for p in fast] == self.shapes
-            and [(p.stride(), g.stride()) for p, g in zip(fast, grads)] == self.strides
-            and len(values) == len(self.values)
-            and all(map(operator.is_, values, self.values))
-            and list(map(_data_ptr, values)) == self.addresses
-        )
-        return grads if holds else None
+        if _same(values, self.values) and list(map(_data_ptr, values)) == self.addresses:
+            return grads
+        return None
 
     def run(self, host: Host, grads: list[Tensor] | None) -> None:
         """The planned parameters' whole steps, one call per backend. With
         ``grads`` (a repeated plan) their step counts advance here; otherwise
         phase 1 has advanced them and left the gradients."""
         if grads is not None:
-            self.counter.add_(1)
+            flat = self.flat
+            if len(flat) == 1:  # one step count (step_param's plans): fill_ costs a seventh of add_(1)
+                self.counter.fill_(flat[0].step + 1)
+            else:
+                self.counter.add_(1)
             for ps, g in zip(self.fast, grads):
                 ps.grad = g
-            for _, batches in self.batches:
-                for batch in batches:
-                    batch.step += 1
-                    for ps in batch.steps:
-                        ps.step = batch.step
+            for batch in flat:
+                batch.step += 1
+                for ps in batch.steps:
+                    ps.step = batch.step
         self.version = self.counter._version
         try:
             for backend, batches in self.batches:
@@ -279,15 +288,13 @@ def make_plan(host: Host, key: Hashable, batched: list[ParamStep], pairs: list[t
         fast=fast,
         fast_params=fast_params,
         fast_states=[ps.state for ps in fast],
-        param_addresses=list(map(_data_ptr, fast_params)),
-        shapes=[p.shape for p in fast_params],
-        grad_specs=[(ps.grad.dtype, ps.grad.is_contiguous()) for ps in fast],
-        strides=[(ps.full_param.stride(), ps.grad.stride()) for ps in fast],
+        layouts=[_layout(ps.full_param, ps.grad) for ps in fast],
         values=values,
         addresses=list(map(_data_ptr, values)),
         counter=counter,
         version=counter._version,
         batches=list(by_backend.values()),
+        flat=list(batches.values()),
     )
     return plan, left
 
@@ -303,12 +310,13 @@ class Stepper:
     def step(self, host: Host) -> None:
         """One step of every parameter of ``host`` with a gradient."""
         groups = host.param_groups
-        params = [p for g in groups for p in g["params"]]
-        states = list(host.state.values())
         deferred: list[ParamStep] = []
         batched: list[ParamStep] = []
         plan = self.plans.get(STEP)
-        grads = None if plan is None else plan.grads(host, groups, params, states)
+        grads = None
+        if plan is not None and plan.holds_scope(groups, [p for g in groups for p in g["params"]],
+                                                 list(host.state.values())):
+            grads = plan.grads(host)
         if grads is not None:
             if plan.rest:
                 host._step_params(plan.rest, batched, deferred)
@@ -332,7 +340,9 @@ class Stepper:
         key = id(p)
         plan = self.plans.get(key)
         if plan is not None:
-            grads = plan.grads(host, [group], [p], [host.state.get(p)])
+            # Its scope, one parameter: the same parameter, group and state dict.
+            same = plan.params[0] is p and plan.groups[0] is group and plan.states[0] is host.state.get(p)
+            grads = plan.grads(host) if same else None
             if grads is not None:
                 plan.run(host, grads)
                 return
