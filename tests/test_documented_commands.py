@@ -119,9 +119,9 @@ COMMANDS: dict[str, str] = {
         "slow: python benchmarks/quality.py --optimizers adamw,adamw:scale=0.25,gwt-adamw:level=2:scale=0.25,"
         "galore:rank=32:scale=0.25 --lrs 1e-2 --tune-seeds 0 --eval-seeds 1 --jobs 2 --threads 1 "
         "--out {runs}/quality --steps 1 --tokens-per-step 512",
-    "python benchmarks/quality.py --budget 16M --tune-steps 1000 --beta2 0.95 --data pysrc --jobs 2 --threads 1 "
+    "python benchmarks/quality.py --budget 16M --tune-steps 1000 --data pysrc --jobs 2 --threads 1 "
     "--resume --out runs/budget":  # the 50M-token corpus is replaced by the small one, each grid by one lr
-        "slow: python benchmarks/quality.py --budget 512 --tune-steps 2 --beta2 0.95 --data {texts} --jobs 2 "
+        "slow: python benchmarks/quality.py --budget 512 --tune-steps 2 --data {texts} --jobs 2 "
         "--threads 1 --resume --out {tmp}/budget --model {tiny_llama} --vocab-size 320 --seq-len 32 "
         "--tokens-per-step 128 --val-tokens 256 --evals 2 --beta2s 0.95 --report-seeds 1 --plot {tmp}/lvt.png "
         "--grid adamw=3e-3 --grid gwt-adamw:level=2=3e-3 --grid gwt-adamw:level=2:detail_clip=none=3e-3 "
