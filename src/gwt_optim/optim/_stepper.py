@@ -168,8 +168,10 @@ class Plan:
         return (_same(groups, self.groups) and _same(params, self.params) and _same(states, self.states))
 
     def grads(self, host: Host) -> list[Tensor] | None:
-        """The planned parameters' gradients if this step may repeat the plan
-        (its scope holding, :meth:`holds_scope`), else None. It may with the
+        """The planned parameters' gradients if this step may repeat the plan,
+        else None, once its owner has found its scope as it was
+        (:meth:`holds_scope` for every parameter; :meth:`Stepper.step_param`
+        compares its one parameter, group and state dict directly). It may with the
         groups' routing options and the step counts as they were (nothing
         wrote them but the plan), the planned parameters and their state
         tensors as they were (see :class:`StepBatch`), and gradients the
