@@ -287,11 +287,35 @@ def test_a_non_finite_gradient_skips_that_parameter(path, bad):
     assert opt.nonfinite_skips == 2
     warned = snaps[2, "warnings"]
     assert len(warned) == 1 and "parameter 0 of group 0 (shape (8, 32))" in str(warned[0].message)
+    assert Path(warned[0].filename) == Path(__file__)  # it names the user's opt.step(), not the library
     assert snaps[3, "warnings"] == []  # once per optimizer
     assert torch.isfinite(W).all() and torch.isfinite(b).all()
     for v in opt.state[W].values():
         assert torch.isfinite(v).all()
     assert opt.state[W]["step"].item() == 5
+
+
+@pytest.mark.parametrize("how", ["step_param", "step_in_backward"])
+def test_the_non_finite_warning_names_the_users_line(how):
+    from gwt_optim import step_in_backward
+
+    W = torch.nn.Parameter(torch.randn(8, 32))
+    opt = GWTAdamW([W], lr=1e-2, level=2)
+    if how == "step_in_backward":
+        step_in_backward(opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "step_param":
+            W.grad = torch.full_like(W, float("nan"))
+            line = sys._getframe().f_lineno + 1
+            opt.step_param(W)
+        else:
+            line = sys._getframe().f_lineno + 1
+            (W * float("nan")).sum().backward()
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1 and "NaN or an infinity" in str(warned[0].message)
+    assert (Path(warned[0].filename), warned[0].lineno) == (Path(__file__), line)
+    assert opt.nonfinite_skips == 1 and torch.isfinite(W).all()
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])

@@ -67,6 +67,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -97,6 +99,22 @@ PATHS = {
     "haar": "the eager Haar closed form, one reduction and one update pass (impl='fast')",
     "reference": "wavedec, per-level normalization, waverec: the paper's notation (impl='reference', other wavelets)",
 }
+
+
+# Frames in these folders are the optimizer's own machinery (gwt_optim, and
+# torch's optimizer hooks, no_grad wrappers and autograd for step_in_backward):
+# a warning about the user's data should point past them, at the user's call.
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["gwt_optim"], torch))
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by this function's caller
+    that names the first frame outside gwt_optim and torch (how deep that is
+    depends on the route: step(), step_param, a backward hook, a compiled step)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass
@@ -431,7 +449,7 @@ class GWTOptimizer(Optimizer):
                 "skipped (weight and state unchanged, its step count advances). Further skips are counted in "
                 ".nonfinite_skips without a warning",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_caller_stacklevel(),
             )
 
     # ------------------------------------------------------------ step --- #
