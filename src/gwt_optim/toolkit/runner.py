@@ -52,6 +52,7 @@ __all__ = [
     "sigterm_stops",
     "abort_on_signals",
     "end_with_parent",
+    "die_with_parent",
     "lock_out",
     "signal_group",
     "MetricsFollower",
@@ -105,12 +106,12 @@ def launcher(nproc: int) -> list[str]:
             "-m", "gwt_optim"]
 
 
-# Run by the child's own interpreter before it execs the real command: Linux
+# Run first in a child (``parent``: the pid it expects as its parent): Linux
 # then sends it SIGTERM when the thread that started it ends, even by SIGKILL
-# (prctl(PR_SET_PDEATHSIG), which survives exec). Not a preexec_fn: that runs
-# between fork and exec, where a lock another thread of this process held at
-# the fork (the runner forks from several threads) can deadlock the child.
-_DIE_WITH_PARENT = """\
+# (prctl(PR_SET_PDEATHSIG), which survives exec); a child whose parent is gone
+# already exits, since nobody would send it. Text, so that both the wrapper
+# below and die_with_parent run this one piece of code.
+_ARM_PDEATHSIG = """\
 import ctypes, os, signal, sys
 try:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -118,10 +119,15 @@ try:
     prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 except (OSError, AttributeError):
     pass
-if os.getppid() != int(sys.argv[1]):  # the parent died before the call: nobody would send it
+if os.getppid() != parent:  # the parent died before the call: nobody would send it
     sys.exit(128 + int(signal.SIGTERM))
-os.execv(sys.argv[2], sys.argv[2:])
 """
+
+# Run by the child's own interpreter before it execs the real command. Not a
+# preexec_fn: that runs between fork and exec, where a lock another thread of
+# this process held at the fork (the runner forks from several threads) can
+# deadlock the child.
+_DIE_WITH_PARENT = "import sys\nparent = int(sys.argv[1])\n" + _ARM_PDEATHSIG + "os.execv(sys.argv[2], sys.argv[2:])\n"
 
 
 def end_with_parent(command: list[str]) -> list[str]:
@@ -132,6 +138,15 @@ def end_with_parent(command: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return command
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+def die_with_parent(parent: int) -> None:
+    """:func:`end_with_parent` from inside: called first in a child that is no
+    command line (a ``multiprocessing`` worker), it has Linux send this process
+    SIGTERM when the thread of ``parent`` that started it ends, even by SIGKILL;
+    it exits at once if ``parent`` is gone already. Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        exec(_ARM_PDEATHSIG, {"parent": int(parent)})  # noqa: S102 - the wrapper's own text, see above
 
 
 def lock_out(stack: contextlib.ExitStack, out: Path, prog: str) -> bool:

@@ -10,6 +10,8 @@
     tokens/s across optimizers and LoRA.
 
 Both sub-commands import transformers, datasets and peft only when they run.
+One process writes an ``--out`` at a time; Ctrl-C or SIGTERM ends the run in
+flight and keeps the finished ones (``results.json`` and ``results.md``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def _run(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.finetune.common import HubUnavailable
     from gwt_optim.toolkit.registry import MissingDependency
+    from gwt_optim.toolkit.runner import sigterm_stops
 
     module = importlib.import_module(SUBCOMMANDS[args.finetune_command][0])
     try:
-        return module.main(args)
+        # SIGTERM stops like Ctrl-C: the run in flight (and its worker) ends, results.json keeps the
+        # finished runs, and the exit status is 128 + the signal's number.
+        with sigterm_stops():
+            return module.main(args)
     except (HubUnavailable, MissingDependency, FileNotFoundError, ValueError) as exc:
         # Errors that name their fix: show the message, not a traceback.
         print(f"gwt-optim finetune {args.finetune_command}: error: {exc}", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -103,15 +104,105 @@ def run_measured(isolate: bool, fn: Callable[..., T], *args: Any) -> T:
     allocator keeps freed blocks of a few MiB (most weight matrices) for
     reuse. So on CPU, where peak memory is the process's peak RSS, every run
     gets its own spawned process and its peak is that run's alone. ``fn`` and
-    ``args`` must be picklable (module-level functions, dataclasses, tensors).
+    ``args`` must be picklable (module-level functions, dataclasses, tensors);
+    an exception ``fn`` raises there is raised here, with the worker's
+    traceback as its cause.
+
+    The worker never outlives this call: Ctrl-C or SIGTERM here (whatever
+    exception leaves the wait) ends it before it goes on, and if this process
+    is killed, Linux sends it SIGTERM (:func:`~gwt_optim.toolkit.runner.die_with_parent`).
+    It ignores Ctrl-C itself: this process, which sees the terminal's too,
+    ends it. A worker stopped by SIGTERM or SIGINT from outside (``kill`` of
+    the whole job) stops this process as that signal would
+    (:class:`~gwt_optim.toolkit.train.Stopped`).
     """
     if not isolate:
         return fn(*args)
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_measured_worker, args=(send, os.getpid(), fn, args))
+    worker.start()
+    send.close()
+    try:
+        kind, value, tb = _worker_answer(worker, receive)
+        worker.join(60)  # it ends on its own, through its exit handlers (SIGTERM would skip them)
+    finally:
+        receive.close()
+        _end_worker(worker)
+    if kind == "error":
+        raise value from _RemoteTraceback(tb)
+    return value
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in the worker of :func:`run_measured` (its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0] if self.args else "")
+
+
+def _measured_worker(send: Any, parent: int, fn: Callable[..., Any], args: tuple) -> None:
+    import pickle
+    import traceback
+
+    from gwt_optim.toolkit.runner import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent sees Ctrl-C too, and ends this process
+    die_with_parent(parent)
+    try:
+        answer = ("ok", fn(*args), None)
+    except Exception as exc:  # noqa: BLE001 - every one goes back to the parent
+        tb = traceback.format_exc()
+        try:  # an exception that cannot make the trip goes as its text
+            pickle.loads(pickle.dumps(exc))
+        except Exception:  # noqa: BLE001
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        answer = ("error", exc, tb)
+    send.send(answer)
+    send.close()
+
+
+def _worker_answer(worker: Any, receive: Any) -> tuple[str, Any, str | None]:
+    """The worker's answer: ("ok", result, None) or ("error", exception, traceback)."""
+    from multiprocessing.connection import wait
+
+    from gwt_optim.toolkit.train import Stopped
+
+    while True:
+        ready = wait([receive, worker.sentinel])
+        if receive in ready or receive.poll():
+            try:
+                return receive.recv()
+            except EOFError:  # it ended without an answer
+                break
+        if worker.sentinel in ready:
+            break
+    worker.join()
+    code = worker.exitcode
+    if code is not None and -code in (signal.SIGTERM, signal.SIGINT):
+        raise Stopped(-code)  # the job is being stopped: so is this process
+    if code is not None and code < 0:
+        how = f"was killed by {signal.Signals(-code).name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    else:
+        how = f"exited with status {code}"
+    raise RuntimeError(f"the worker process of this run {how} before it finished")
+
+
+def _end_worker(worker: Any, wait: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``wait`` seconds; a second Ctrl-C meanwhile does not leave it running."""
+    while True:
+        try:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(wait)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, out: str, out_help: str) -> None:

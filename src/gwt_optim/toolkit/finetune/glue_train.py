@@ -25,6 +25,7 @@ from gwt_optim.toolkit.finetune.common import (
 from gwt_optim.toolkit.finetune.glue_data import _limit, _load_glue_tokenizer, _load_model, _tokenize, load_glue
 from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task
+from gwt_optim.toolkit.train import lock_run_dir
 
 __all__ = ["GlueSettings", "run_glue"]
 
@@ -120,7 +121,9 @@ def run_glue(
 ) -> tuple[list[dict], str]:
     """Fine-tune every method on every task; write ``results.json`` and ``results.md``.
 
-    Returns the per-run records and the markdown report.
+    Returns the per-run records and the markdown report. One process writes
+    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.train.lock_run_dir`); a
+    stop (Ctrl-C, or SIGTERM under the CLI) keeps the finished runs in both files.
     """
     unknown = [t for t in tasks if t not in GLUE_TASKS]
     if unknown:
@@ -128,11 +131,28 @@ def run_glue(
     specs = parse_methods(methods)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with lock_run_dir(out_dir):
+        records: list[dict] = []
+        try:
+            _run_all(tasks, specs, settings, out_dir, records)
+        except KeyboardInterrupt:
+            if records:  # the report of what finished, not one left from an earlier command
+                report = glue_report(records, tasks, [s.label for s in specs], settings)
+                atomic_write_text(out_dir / "results.md", report)
+                print(f"[finetune glue] stopped: {out_dir} keeps the {len(records)} finished run(s)", flush=True)
+            raise
+        report = glue_report(records, tasks, [s.label for s in specs], settings)
+        atomic_write_text(out_dir / "results.md", report)
+    return records, report
+
+
+def _run_all(tasks: Sequence[str], specs: Sequence[MethodSpec], settings: GlueSettings, out_dir: Path,
+             records: list[dict]) -> None:
+    """Train every (task, method) pair, adding each record to ``records`` and ``results.json`` as it finishes."""
     if not Path(settings.model).exists() or settings.data_dir is None:
         prepare_hub_access()
     tokenizer = _load_glue_tokenizer(settings.model)
     isolate = pick_device(settings.device).type == "cpu" if settings.isolate is None else settings.isolate
-    records: list[dict] = []
     for name in tasks:
         task = GLUE_TASKS[name]
         data = load_glue(task, settings.data_dir)
@@ -144,9 +164,6 @@ def run_glue(
             record = run_measured(isolate, _run_one, task, spec, tokenizer, data, settings, work_dir)
             records.append(record)
             atomic_write_json(out_dir / "results.json", {"settings": settings.__dict__, "runs": records})
-    report = glue_report(records, tasks, [s.label for s in specs], settings)
-    atomic_write_text(out_dir / "results.md", report)
-    return records, report
 
 
 def _slug(text: str) -> str:

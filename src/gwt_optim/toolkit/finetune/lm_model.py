@@ -124,10 +124,17 @@ def cache_base_model(source: ModelSource, cache_dir: Path) -> ModelSource:
             del model.config.quantization_config
         tmp = cache_dir / f".base-model.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        load_lm_tokenizer(source).save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # a crash leaves no half-written cache
+        try:
+            model.save_pretrained(tmp)
+            load_lm_tokenizer(source).save_pretrained(tmp)
+            if not (target / "config.json").is_file():  # else another process (a shared --cache-dir) was first
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)  # a crash leaves no half-written cache
+        except OSError:
+            if not (target / "config.json").is_file():  # not a copy another process put there meanwhile
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing left behind by a stop either
         del model
     return ModelSource(str(target), None, source.description)
 

@@ -34,7 +34,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
     resolve_model,
 )
 from gwt_optim.toolkit.finetune.lm_report import lm_report
-from gwt_optim.toolkit.train import IGNORE_INDEX, next_token_losses
+from gwt_optim.toolkit.train import IGNORE_INDEX, lock_run_dir, next_token_losses
 
 __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
 
@@ -167,13 +167,33 @@ def run_lm(
 ) -> tuple[dict, str]:
     """Run the whole comparison; write ``results.json`` after every run and ``results.md`` at the end.
 
-    ``cache_dir`` (default ``out_dir``) holds the de-quantized copy of a GGUF model.
+    ``cache_dir`` (default ``out_dir``) holds the de-quantized copy of a GGUF model. One process writes
+    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.train.lock_run_dir`); a stop (Ctrl-C, or SIGTERM under
+    the CLI) keeps the finished runs in both files, and ``resume`` goes on from them.
     """
-    from gwt_optim.toolkit.metrics import environment
-
     specs = parse_methods(methods)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with lock_run_dir(out_dir):
+        results: dict = {}
+        try:
+            _run_all(specs, settings, out_dir, results, resume=resume, cache_dir=cache_dir)
+        except KeyboardInterrupt:
+            if results.get("runs"):  # the report of what finished, not one left from an earlier command
+                atomic_write_text(out_dir / "results.md", lm_report(results, [s.label for s in specs]))
+                print(f"[finetune lm] stopped: {out_dir} keeps the {len(results['runs'])} finished run(s); "
+                      "--resume goes on from them", flush=True)
+            raise
+        report = lm_report(results, [s.label for s in specs])
+        atomic_write_text(out_dir / "results.md", report)
+    return results, report
+
+
+def _run_all(specs: Sequence[MethodSpec], settings: LMSettings, out_dir: Path, results: dict, *, resume: bool,
+             cache_dir: str | Path | None) -> None:
+    """Fill ``results`` (from ``results.json`` with ``resume``) run by run, writing the file after each."""
+    from gwt_optim.toolkit.metrics import environment
+
     device = pick_device(settings.device)
     if settings.tf32:
         # TF32 tensor-core matmuls (fp32 storage and optimizer math): several
@@ -187,16 +207,16 @@ def run_lm(
     results_path = out_dir / "results.json"
     key = {k: v for k, v in asdict(settings).items() if k not in ("progress", "device", "isolate")}
     key["lrs"] = list(key["lrs"])
-    previous = json.loads(results_path.read_text()) if resume and results_path.is_file() else None
+    previous = _previous_results(results_path) if resume and results_path.is_file() else None
     if previous is not None and previous.get("settings") != key:
         raise ValueError(f"--resume: {results_path} was written with other settings; use another --out")
-    results = previous or {
+    results.update(previous or {
         "settings": key,
         "model": source.description,
         "data": {"format": data.format, "train_tokens": data.train_tokens, "val_targets": data.val_targets},
         "environment": environment(("peft", "galore-torch", "apollo-torch")),
         "runs": [],
-    }
+    })
     if "val_ppl_before" not in results:
         print("[finetune lm] validation perplexity of the pretrained model ...", flush=True)
         results["val_ppl_before"] = perplexity(load_model(source, device), data.val, device)
@@ -217,6 +237,14 @@ def run_lm(
                 f"state {mib(record['optimizer_state_bytes'])} MiB, {record['wall_seconds']:.0f} s",
                 flush=True,
             )
-    report = lm_report(results, [s.label for s in specs])
-    atomic_write_text(out_dir / "results.md", report)
-    return results, report
+
+
+def _previous_results(path: Path) -> dict:
+    """``results.json`` of an earlier ``finetune lm``, for ``--resume``; ValueError naming it when it is none."""
+    try:
+        previous = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--resume: {path} is no results.json of finetune lm ({exc}); use another --out") from exc
+    if not (isinstance(previous, dict) and isinstance(previous.get("runs"), list)):
+        raise ValueError(f"--resume: {path} is no results.json of finetune lm (no list of runs); use another --out")
+    return previous
