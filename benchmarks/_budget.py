@@ -45,7 +45,8 @@ from gwt_optim.toolkit.runner import abort_on_signals
 DEFAULT_GRIDS: dict[str, str] = {
     "adamw": "3e-4,1e-3,3e-3",
     "gwt-adamw:level=2": "1e-3,3e-3,1e-2",
-    "gwt-adamw:level=2:detail_clip=none": "1e-3,3e-3,1e-2",
+    # The unclipped update is the larger one: its grid sits one step below the default's (the CPU runs use it).
+    "gwt-adamw:level=2:detail_clip=none": "3e-4,1e-3,3e-3",
     "muon": "3e-3,1e-2,3e-2",
     "gwt-muon:level=2": "1e-2,3e-2,1e-1",
 }
