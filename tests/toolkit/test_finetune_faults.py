@@ -256,8 +256,13 @@ def test_a_stopped_finetune_glue_keeps_its_finished_runs(tmp_path, monkeypatch):
     out.mkdir()
     (out / "results.md").write_text("an earlier command's report\n")
     settings = glue.GlueSettings(model=str(tmp_path), data_dir=str(DATA / "glue"), isolate=False, progress=False)
-    with pytest.raises(KeyboardInterrupt):
-        glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], settings, out)
+    # A terminal's Ctrl-C: pytest-xdist workers ignore SIGINT, so give this process Python's own handler back.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], settings, out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert calls == ["adamw", "gwt-adamw:level=2"]
     saved = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in saved["runs"]] == ["adamw"]
