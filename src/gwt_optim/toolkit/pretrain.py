@@ -35,7 +35,7 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--pretrained", action="store_true", default=S,
                    help="load the weights of a local --model directory instead of fresh ones")
     g.add_argument("--data", default=S, help="'demo' (bundled KJV corpus), 'pysrc' (~50M tokens built from pinned "
-                   "PyPI sdists), 'c4' (streamed allenai/c4) or a path to a .txt/.jsonl/.parquet file or folder "
+                   "PyPI sdists), 'pysrc-small' (~5.5M tokens of it, the compare demo's), 'c4' (streamed allenai/c4) or a path to a .txt/.jsonl/.parquet file or folder "
                    "(default: demo)")
     g.add_argument("--tokenizer", default=S, help="'t5-base' (the paper's; default for c4 and local data), 'bpe' or "
                    "'bpe:VOCAB' (byte-level BPE trained on the training split; default for demo), or a HF name/path")
@@ -102,14 +102,14 @@ def _read_config(path: str | Path, what: str) -> dict[str, Any]:
     return loaded
 
 
-def resolve_config(args: argparse.Namespace):
-    """Defaults < the demo recipe, or ``--paper SIZE`` < the run's own config.json
-    (with ``--resume``) < ``--config`` < given flags; validated."""
+def resolve_config(args: argparse.Namespace, recipe: dict[str, Any] | None = None):
+    """Defaults < ``recipe`` (default: the demo recipe), or ``--paper SIZE`` < the
+    run's own config.json (with ``--resume``) < ``--config`` < given flags; validated."""
     from gwt_optim.toolkit.recipes import DEMO, paper_recipe
     from gwt_optim.toolkit.train import TrainConfig
 
     paper = getattr(args, "paper", None)
-    base: dict[str, Any] = paper_recipe(paper) if paper else dict(DEMO)
+    base: dict[str, Any] = paper_recipe(paper) if paper else dict(DEMO if recipe is None else recipe)
     given = _read_config(args.config, "--config") if getattr(args, "config", None) else {}
     given.update({k: v for k, v in vars(args).items() if k not in _NOT_TRAIN_FIELDS})
     resume = given.get("resume", False)

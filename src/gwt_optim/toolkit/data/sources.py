@@ -156,7 +156,7 @@ def check_source(source: str) -> None:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--data {source!r}: no such file or folder; use 'demo', 'pysrc', 'c4' or a path")
+        raise FileNotFoundError(f"--data {source!r}: no such file or folder; use {_names()} or a path")
     _local_files(path)
 
 
@@ -247,9 +247,21 @@ def _pysrc_texts(split: str, seed: int, limit: int | None) -> list[str]:  # noqa
     return pysrc.load_split(split, limit=limit)
 
 
+def _pysrc_small_texts(split: str, seed: int, limit: int | None) -> list[str]:  # noqa: ARG001 (a fixed split)
+    from gwt_optim.toolkit.data import pysrc
+
+    return pysrc.load_split(split, limit=limit, pinned=pysrc.SMALL)
+
+
 _SOURCES: dict[str, Callable[[str, int, int | None], list[str]]] = {
-    "demo": _demo_texts, "c4": _c4_texts, "pysrc": _pysrc_texts,
+    "demo": _demo_texts, "c4": _c4_texts, "pysrc": _pysrc_texts, "pysrc-small": _pysrc_small_texts,
 }
+NAMED = tuple(_SOURCES)  # the --data names; everything else is a path
+OWN_BPE = ("demo", "pysrc", "pysrc-small")  # the offline corpora, each with a small BPE of its own by default
+
+
+def _names() -> str:
+    return ", ".join(f"'{n}'" for n in NAMED)
 
 
 def load_texts(source: str, split: str, *, seed: int = 0, limit: int | None = None) -> list[str]:
@@ -262,5 +274,5 @@ def load_texts(source: str, split: str, *, seed: int = 0, limit: int | None = No
         return _SOURCES[source](split, seed, limit)
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--data {source!r}: use 'demo', 'pysrc', 'c4' or an existing file or folder")
+        raise FileNotFoundError(f"--data {source!r}: use {_names()} or an existing file or folder")
     return _local_texts(path, split, limit)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gwt_optim.toolkit.data.cache import _digest, cache_dir
-from gwt_optim.toolkit.data.sources import DataUnavailable, _hub_offline, load_texts
+from gwt_optim.toolkit.data.sources import OWN_BPE, DataUnavailable, _hub_offline, load_texts
 
 __all__ = ["BPE_SPECIAL_TOKENS", "bpe_tokenizer", "demo_tokenizer", "load_pretrain_tokenizer"]
 
@@ -107,8 +107,8 @@ def _hub_tokenizer(spec: str):
 
 def _default_tokenizer(data: str) -> str:
     """The paper's t5-base for C4 and local text, a small BPE of their own for
-    the offline corpora (the demo, ``pysrc``)."""
-    return "bpe" if data in ("demo", "pysrc") else "t5-base"
+    the offline corpora (the demo, ``pysrc``, ``pysrc-small``)."""
+    return "bpe" if data in OWN_BPE else "t5-base"
 
 
 def load_pretrain_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed: int = 0,
