@@ -134,7 +134,8 @@ COMMANDS: dict[str, str] = {
         "slow: python benchmarks/quality.py --budget 512 --data {texts} --val-tokens 256 --evals 2 --gate-nats 0.1 "
         "--contenders adamw,gwt-adamw:level=2,galore:rank=32,muon,gwt-muon:level=2 --grid adamw=3e-3 "
         "--grid gwt-adamw:level=2=3e-3 --grid galore:rank=32=3e-3 --grid muon=1e-2 --grid gwt-muon:level=2=3e-2 "
-        "--report-seeds 1 --jobs 2 --threads 1 --resume --out {tmp}/demo-protocol --plot '' --model {tiny_llama} "
+        "--report-seeds 1 --jobs 2 --threads 1 --resume --out {tmp}/demo-protocol --plot {tmp}/demo-lvt.png "
+        "--model {tiny_llama} "
         "--vocab-size 320 --seq-len 32 --tokens-per-step 128 --beta2s 0.95",
     "python benchmarks/regime.py --plot-only --out runs/quality":
         "python benchmarks/regime.py --plot-only --out {runs}/quality --plot {tmp}/gap-vs-batch.png",
