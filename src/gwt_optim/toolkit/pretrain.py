@@ -35,8 +35,8 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--pretrained", action="store_true", default=S,
                    help="load the weights of a local --model directory instead of fresh ones")
     g.add_argument("--data", default=S, help="'demo' (bundled KJV corpus), 'pysrc' (~50M tokens built from pinned "
-                   "PyPI sdists), 'pysrc-small' (~5.5M tokens of it, the compare demo's), 'c4' (streamed allenai/c4) or a path to a .txt/.jsonl/.parquet file or folder "
-                   "(default: demo)")
+                   "PyPI sdists), 'pysrc-small' (5.3M tokens of it, the compare demo's), 'c4' (streamed "
+                   "allenai/c4) or a path to a .txt/.jsonl/.parquet file or folder (default: demo)")
     g.add_argument("--tokenizer", default=S, help="'t5-base' (the paper's; default for c4 and local data), 'bpe' or "
                    "'bpe:VOCAB' (byte-level BPE trained on the training split; default for demo), or a HF name/path")
     g.add_argument("--vocab-size", type=int, default=S, help="vocabulary of a BPE trained here (default 4096)")

@@ -73,7 +73,7 @@ PINNED: tuple[Sdist, ...] = (
 )
 
 
-# ``--data pysrc-small``: the demo's slice (about 5.5M tokens, 17.5M characters), three of the
+# ``--data pysrc-small``: the demo's slice (5.3M training tokens, 17.5M characters), three of the
 # projects, code and reST docs alike. It builds in about a minute (three downloads, a BPE of its own),
 # where the whole corpus's BPE and token cache take several, which a ten-minute demo cannot spend.
 SMALL_NAME = "pysrc-small"

@@ -241,23 +241,18 @@ def _local_texts(root: Path, split: str, limit: int | None) -> list[str]:
     return docs[:limit] if limit is not None else docs
 
 
-def _pysrc_texts(split: str, seed: int, limit: int | None) -> list[str]:  # noqa: ARG001 (a fixed split)
-    from gwt_optim.toolkit.data import pysrc
+def _pysrc_texts(split: str, seed: int, limit: int | None, *, small: bool = False) -> list[str]:  # noqa: ARG001
+    from gwt_optim.toolkit.data import pysrc  # a fixed split: the seed plays no part
 
-    return pysrc.load_split(split, limit=limit)
-
-
-def _pysrc_small_texts(split: str, seed: int, limit: int | None) -> list[str]:  # noqa: ARG001 (a fixed split)
-    from gwt_optim.toolkit.data import pysrc
-
-    return pysrc.load_split(split, limit=limit, pinned=pysrc.SMALL)
+    return pysrc.load_split(split, limit=limit, pinned=pysrc.SMALL if small else pysrc.PINNED)
 
 
 _SOURCES: dict[str, Callable[[str, int, int | None], list[str]]] = {
-    "demo": _demo_texts, "c4": _c4_texts, "pysrc": _pysrc_texts, "pysrc-small": _pysrc_small_texts,
+    "demo": _demo_texts, "c4": _c4_texts, "pysrc": _pysrc_texts,
+    "pysrc-small": lambda split, seed, limit: _pysrc_texts(split, seed, limit, small=True),
 }
 NAMED = tuple(_SOURCES)  # the --data names; everything else is a path
-OWN_BPE = ("demo", "pysrc", "pysrc-small")  # the offline corpora, each with a small BPE of its own by default
+OWN_BPE = tuple(n for n in NAMED if n != "c4")  # the offline corpora, each with a small BPE of its own by default
 
 
 def _names() -> str:
