@@ -1,7 +1,8 @@
 """`finetune` under faults: SIGTERM or Ctrl-C ends the run in flight and its
 worker process (``--isolate yes``) and keeps the finished runs; a killed
-``finetune`` takes its worker with it; one writer per ``--out``; an
-unreadable ``results.json`` under ``--resume`` is one line.
+``finetune`` takes its worker with it; one writer per ``--out``; ``--resume``
+goes on from the finished runs, and an unreadable ``results.json`` under it
+is one line.
 
 Every signal here is real (``os.kill`` on real processes); the models are the
 tiny random ones of ``gwt_optim.toolkit.finetune.tiny``, the data the local
@@ -235,7 +236,7 @@ def test_a_second_finetune_glue_on_a_held_out_is_refused(tmp_path, capsys):
     assert not (out / "results.json").exists()
 
 
-def test_a_stopped_finetune_glue_keeps_its_finished_runs(tmp_path, monkeypatch):
+def test_a_stopped_finetune_glue_keeps_its_finished_runs_and_resume_goes_on(tmp_path, monkeypatch, capsys):
     from gwt_optim.toolkit.finetune import glue, glue_train
 
     calls = []
@@ -268,18 +269,40 @@ def test_a_stopped_finetune_glue_keeps_its_finished_runs(tmp_path, monkeypatch):
     assert [r["method"] for r in saved["runs"]] == ["adamw"]
     report = (out / "results.md").read_text()
     assert "| adamw " in report and "earlier" not in report
+    assert "keeps the 1 finished run(s); --resume goes on from them" in capsys.readouterr().out
     with lock_run_dir(out):  # released
         pass
+
+    # --resume trains only the run that did not finish, and the report has both.
+    records, report = glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], settings, out, resume=True)
+    assert calls == ["adamw", "gwt-adamw:level=2", "gwt-adamw:level=2"]
+    assert [r["method"] for r in records] == ["adamw", "gwt-adamw:level=2"]
+    assert [r["method"] for r in json.loads((out / "results.json").read_text())["runs"]] == ["adamw",
+                                                                                             "gwt-adamw:level=2"]
+    assert "| adamw " in report and "| gwt-adamw:level=2 " in report
+    # Once everything is done, a resume trains nothing; how runs are shown or placed may change.
+    quiet = glue.GlueSettings(**{**settings.__dict__, "device": "cpu", "isolate": True, "progress": True})
+    assert glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], quiet, out, resume=True)[1] == report
+    assert len(calls) == 3
+    # Other settings are other runs: refused, not mixed into one table.
+    with pytest.raises(ValueError, match="other settings"):
+        glue.run_glue(["rte"], ["adamw"], glue.GlueSettings(**{**settings.__dict__, "lr": 3e-5}), out, resume=True)
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("content", [b'{"settings": {', b"\x00\xff binary", b"[1, 2]"],
                          ids=["torn", "binary", "no-runs"])
-def test_resume_from_an_unreadable_results_json_is_one_line(tiny_llama, tmp_path, capsys, content):
+@pytest.mark.parametrize("command", ["lm", "glue"])
+def test_resume_from_an_unreadable_results_json_is_one_line(tiny_llama, tmp_path, capsys, content, command):
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_bytes(content)
-    argv = _lm_argv(tiny_llama, out, "1e-3")
-    argv[argv.index("--isolate") + 1] = "no"
+    if command == "lm":
+        argv = _lm_argv(tiny_llama, out, "1e-3")
+        argv[argv.index("--isolate") + 1] = "no"
+    else:  # read before any model or data: the model path need not exist
+        argv = ["finetune", "glue", "--tasks", "rte", "--methods", "adamw", "--model", str(tmp_path / "none"),
+                "--data-dir", str(DATA / "glue"), "--isolate", "no", "--no-progress", "--out", str(out)]
     rc = main([*argv, "--resume"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line]

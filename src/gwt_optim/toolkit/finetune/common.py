@@ -1,14 +1,18 @@
 """Pieces shared by ``finetune glue`` and ``finetune lm``: hub access that fails
-clearly offline, per-run peak memory, optimizer specs and result files."""
+clearly offline, per-run peak memory, optimizer specs, result files, and
+what a stop keeps and ``--resume`` continues."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import signal
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import urlparse
 
 import torch
@@ -34,6 +38,9 @@ __all__ = [
     "run_measured",
     "add_run_arguments",
     "isolate_choice",
+    "previous_results",
+    "settings_key",
+    "report_kept_on_stop",
 ]
 
 
@@ -219,6 +226,44 @@ def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, o
     )
     p.add_argument("--out", default=out, help=out_help)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--resume", action="store_true", help=f"skip the {runs} runs already in OUT/results.json")
+
+
+# How a run is shown or placed, not what it computes: a resume may change these.
+_NOT_IN_KEY = ("progress", "device", "isolate")
+
+
+def settings_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a ``--resume`` must match: all but how runs are shown and placed (JSON types)."""
+    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in _NOT_IN_KEY}))
+
+
+def previous_results(path: Path, command: str) -> dict:
+    """``results.json`` of an earlier ``finetune COMMAND``, for ``--resume``; ValueError naming it when it is none."""
+    try:
+        previous = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--resume: {path} is no results.json of finetune {command} ({exc}); use another --out") from exc
+    if not (isinstance(previous, dict) and isinstance(previous.get("runs"), list)):
+        raise ValueError(f"--resume: {path} is no results.json of finetune {command} (no list of runs); "
+                         "use another --out")
+    return previous
+
+
+@contextlib.contextmanager
+def report_kept_on_stop(command: str, out_dir: Path, finished: Callable[[], int],
+                        write_report: Callable[[], None]) -> Iterator[None]:
+    """A stop inside (Ctrl-C, or SIGTERM under the CLI) writes the report of the runs that finished, so
+    ``results.md`` never shows an earlier command's, and says that ``--resume`` goes on from them."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        n = finished()
+        if n:
+            write_report()
+            print(f"[finetune {command}] stopped: {out_dir} keeps the {n} finished run(s); "
+                  "--resume goes on from them", flush=True)
+        raise
 
 
 def isolate_choice(value: str) -> bool | None:

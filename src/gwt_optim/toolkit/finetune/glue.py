@@ -119,6 +119,6 @@ def main(args: argparse.Namespace) -> int:
         isolate=isolate_choice(args.isolate),
         progress=not args.no_progress,
     )
-    _, report = run_glue(tasks, args.methods.split(","), settings, args.out)
+    _, report = run_glue(tasks, args.methods.split(","), settings, args.out, resume=args.resume)
     print(report)
     return 0

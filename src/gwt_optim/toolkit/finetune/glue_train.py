@@ -20,7 +20,10 @@ from gwt_optim.toolkit.finetune.common import (
     parse_methods,
     pick_device,
     prepare_hub_access,
+    previous_results,
+    report_kept_on_stop,
     run_measured,
+    settings_key,
 )
 from gwt_optim.toolkit.finetune.glue_data import _limit, _load_glue_tokenizer, _load_model, _tokenize, load_glue
 from gwt_optim.toolkit.finetune.glue_report import glue_report
@@ -117,13 +120,16 @@ def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSe
 
 
 def run_glue(
-    tasks: Sequence[str], methods: Sequence[str], settings: GlueSettings, out_dir: str | Path
+    tasks: Sequence[str], methods: Sequence[str], settings: GlueSettings, out_dir: str | Path, *,
+    resume: bool = False,
 ) -> tuple[list[dict], str]:
-    """Fine-tune every method on every task; write ``results.json`` and ``results.md``.
+    """Fine-tune every method on every task; write ``results.json`` after every run and ``results.md``.
 
     Returns the per-run records and the markdown report. One process writes
     ``out_dir`` at a time (:func:`~gwt_optim.toolkit.train.lock_run_dir`); a
-    stop (Ctrl-C, or SIGTERM under the CLI) keeps the finished runs in both files.
+    stop (Ctrl-C, or SIGTERM under the CLI) keeps the finished runs in both
+    files, and ``resume`` goes on from them: a (task, method) run already in
+    ``results.json`` is not trained again, provided the settings are the same.
     """
     unknown = [t for t in tasks if t not in GLUE_TASKS]
     if unknown:
@@ -133,37 +139,49 @@ def run_glue(
     out_dir.mkdir(parents=True, exist_ok=True)
     with lock_run_dir(out_dir):
         records: list[dict] = []
-        try:
-            _run_all(tasks, specs, settings, out_dir, records)
-        except KeyboardInterrupt:
-            if records:  # the report of what finished, not one left from an earlier command
-                report = glue_report(records, tasks, [s.label for s in specs], settings)
-                atomic_write_text(out_dir / "results.md", report)
-                print(f"[finetune glue] stopped: {out_dir} keeps the {len(records)} finished run(s)", flush=True)
-            raise
-        report = glue_report(records, tasks, [s.label for s in specs], settings)
-        atomic_write_text(out_dir / "results.md", report)
+
+        def write_report() -> str:
+            report = glue_report(records, tasks, [s.label for s in specs], settings)
+            atomic_write_text(out_dir / "results.md", report)
+            return report
+
+        with report_kept_on_stop("glue", out_dir, lambda: len(records), write_report):
+            _run_all(tasks, specs, settings, out_dir, records, resume=resume)
+        report = write_report()
     return records, report
 
 
 def _run_all(tasks: Sequence[str], specs: Sequence[MethodSpec], settings: GlueSettings, out_dir: Path,
-             records: list[dict]) -> None:
-    """Train every (task, method) pair, adding each record to ``records`` and ``results.json`` as it finishes."""
+             records: list[dict], *, resume: bool) -> None:
+    """Train every (task, method) pair not yet in ``records`` (from ``results.json`` with ``resume``),
+    adding each record to ``records`` and ``results.json`` as it finishes."""
+    results_path = out_dir / "results.json"
+    if resume and results_path.is_file():
+        previous = previous_results(results_path, "glue")
+        if settings_key(previous.get("settings") or {}) != settings_key(settings.__dict__):
+            raise ValueError(f"--resume: {results_path} was written with other settings; use another --out")
+        records.extend(previous["runs"])
+    done = {(r.get("task"), r.get("method")) for r in records}
+    todo = [(name, [s for s in specs if (name, s.label) not in done]) for name in tasks]
+    if not any(left for _, left in todo):
+        return
     if not Path(settings.model).exists() or settings.data_dir is None:
         prepare_hub_access()
     tokenizer = _load_glue_tokenizer(settings.model)
     isolate = pick_device(settings.device).type == "cpu" if settings.isolate is None else settings.isolate
-    for name in tasks:
+    for name, left in todo:
+        if not left:
+            continue
         task = GLUE_TASKS[name]
         data = load_glue(task, settings.data_dir)
         data = _limit(data, task, settings)
         data = _tokenize(data, tokenizer, task, settings.max_length)
-        for spec in specs:
+        for spec in left:
             print(f"[finetune glue] {task.title} with {spec.label}", flush=True)
             work_dir = out_dir / "runs" / f"{name}-{_slug(spec.label)}"
             record = run_measured(isolate, _run_one, task, spec, tokenizer, data, settings, work_dir)
             records.append(record)
-            atomic_write_json(out_dir / "results.json", {"settings": settings.__dict__, "runs": records})
+            atomic_write_json(results_path, {"settings": settings.__dict__, "runs": records})
 
 
 def _slug(text: str) -> str:

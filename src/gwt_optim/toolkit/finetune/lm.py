@@ -126,7 +126,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (recorded in the results)")
     p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: --out)")
-    p.add_argument("--resume", action="store_true", help="skip the (method, lr) runs already in OUT/results.json")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@ copy of the model, and the whole comparison with its ``results.json``."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -22,7 +21,10 @@ from gwt_optim.toolkit.finetune.common import (
     optimizer_state_bytes,
     parse_methods,
     pick_device,
+    previous_results,
+    report_kept_on_stop,
     run_measured,
+    settings_key,
 )
 from gwt_optim.toolkit.finetune.lm_data import LMData, prepare_data
 from gwt_optim.toolkit.finetune.lm_model import (
@@ -176,16 +178,15 @@ def run_lm(
     out_dir.mkdir(parents=True, exist_ok=True)
     with lock_run_dir(out_dir):
         results: dict = {}
-        try:
+
+        def write_report() -> str:
+            report = lm_report(results, [s.label for s in specs])
+            atomic_write_text(out_dir / "results.md", report)
+            return report
+
+        with report_kept_on_stop("lm", out_dir, lambda: len(results.get("runs", [])), write_report):
             _run_all(specs, settings, out_dir, results, resume=resume, cache_dir=cache_dir)
-        except KeyboardInterrupt:
-            if results.get("runs"):  # the report of what finished, not one left from an earlier command
-                atomic_write_text(out_dir / "results.md", lm_report(results, [s.label for s in specs]))
-                print(f"[finetune lm] stopped: {out_dir} keeps the {len(results['runs'])} finished run(s); "
-                      "--resume goes on from them", flush=True)
-            raise
-        report = lm_report(results, [s.label for s in specs])
-        atomic_write_text(out_dir / "results.md", report)
+        report = write_report()
     return results, report
 
 
@@ -205,9 +206,8 @@ def _run_all(specs: Sequence[MethodSpec], settings: LMSettings, out_dir: Path, r
     source = cache_base_model(source, Path(cache_dir) if cache_dir else out_dir)
     data = prepare_data(settings, tokenizer)
     results_path = out_dir / "results.json"
-    key = {k: v for k, v in asdict(settings).items() if k not in ("progress", "device", "isolate")}
-    key["lrs"] = list(key["lrs"])
-    previous = _previous_results(results_path) if resume and results_path.is_file() else None
+    key = settings_key(asdict(settings))
+    previous = previous_results(results_path, "lm") if resume and results_path.is_file() else None
     if previous is not None and previous.get("settings") != key:
         raise ValueError(f"--resume: {results_path} was written with other settings; use another --out")
     results.update(previous or {
@@ -238,13 +238,3 @@ def _run_all(specs: Sequence[MethodSpec], settings: LMSettings, out_dir: Path, r
                 flush=True,
             )
 
-
-def _previous_results(path: Path) -> dict:
-    """``results.json`` of an earlier ``finetune lm``, for ``--resume``; ValueError naming it when it is none."""
-    try:
-        previous = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--resume: {path} is no results.json of finetune lm ({exc}); use another --out") from exc
-    if not (isinstance(previous, dict) and isinstance(previous.get("runs"), list)):
-        raise ValueError(f"--resume: {path} is no results.json of finetune lm (no list of runs); use another --out")
-    return previous
