@@ -307,30 +307,59 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
         b.tuner.shutdown()
 
 
+def family_base(label: str, labels: Sequence[str]) -> str | None:
+    """The plain optimizer a GWT contender transforms (``gwt-muon:level=2`` -> ``muon``), when it is a
+    contender too, at its own defaults."""
+    name, _ = P.parse_spec(label)
+    plain = name.removeprefix("gwt-")
+    return next((c for c in labels if plain != name and P.parse_spec(c) == (plain, {})), None)
+
+
+def _against(t: dict[str, Any], base: dict[str, Any], budget: int) -> dict[str, Any]:
+    """``t`` against ``base``: the paired gap over the seeds both finished, and the tokens ``t``'s
+    seed-mean curve needs to reach ``base``'s mean final loss (the speedup is the budget over them)."""
+    seeds = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
+    gap = P.paired_gap({r["seed"]: r["val_loss"] for r in t.get("runs", [])}, seeds)
+    target, curve = base.get("mean"), mean_curve(t.get("runs", []))
+    reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
+    return {"gap": gap, "tokens_to_target": reach, "speedup": budget / reach if reach else None}
+
+
+def _missing(t: dict[str, Any]) -> bool:
+    """Some tuning run has not finished (an interim ``--report-only``): the best so far may not be the best."""
+    return any("missing" in st for st in (t.get("status") or {}).values())
+
+
 def analyse(out: dict[str, Any], gate_nats: float) -> None:
     """Gaps, token ratios and gates, in place (pure: the report can be rebuilt from the JSON)."""
     C = out["contenders"]
     base = C.get(P.BASELINE, {})
     base_runs = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
-    target = base.get("mean")
     budget = out["budget_tokens"]
     for c, t in C.items():
-        t["gap"] = P.paired_gap({r["seed"]: r["val_loss"] for r in t.get("runs", [])}, base_runs) \
-            if c != P.BASELINE else None
         # On the seed-mean curve: AdamW's own then reaches its (mean) final loss exactly at the budget.
-        curve = mean_curve(t.get("runs", []))
-        reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
-        t["tokens_to_target"] = reach
-        t["speedup"] = budget / reach if reach else None
+        vs = _against(t, base, budget)
+        t["gap"] = vs["gap"] if c != P.BASELINE else None
+        t["tokens_to_target"], t["speedup"] = vs["tokens_to_target"], vs["speedup"]
+        # A GWT family is also measured against the optimizer it transforms (GWT-Muon against Muon).
+        fb = family_base(c, list(C))
+        t["vs_family"] = {"base": fb, **_against(t, C[fb], budget)} if fb and fb != P.BASELINE else None
     fr = out.get("frozen") or {}
     trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
-        "a": {c: None if t.get("best_lr") is None else not t.get("edge") for c, t in C.items()},
+        "a": {c: None if t.get("best_lr") is None or _missing(t) else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
+              "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
               "pass": margin is not None and margin >= gate_nats},
     }
+
+
+def _reach_cells(reach: float | None, speedup: float | None, measured: bool) -> tuple[str, str]:
+    """The tokens-to-target and speedup cells; a measured contender that never got there is "< 1x"."""
+    return (f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if measured else "-"),
+            f"{speedup:.2f}x" if P.finite(speedup) else ("< 1x" if measured else "-"))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -376,13 +405,21 @@ def render(report: dict[str, Any]) -> str:
         gap = t.get("gap") or {}
         delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
         reach = t.get("tokens_to_target")
-        measured = t.get("n", 0) > 0 and P.finite(target_mean)
-        reach_s = f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if measured else "-")
-        speed = f"{t['speedup']:.2f}x" if P.finite(t.get("speedup")) else ("< 1x" if measured else "-")
+        reach_s, speed = _reach_cells(reach, t.get("speedup"), t.get("n", 0) > 0 and P.finite(target_mean))
         state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
         per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
         lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {loss} | {delta} | {reach_s} | {speed} | {state} | "
                      f"{per_seed} |")
+    pairs = [(c, t["vs_family"]) for c, t in C.items() if t.get("vs_family")]
+    if pairs:
+        lines += ["", "## Each GWT family against the optimizer it transforms (reporting seeds)", "",
+                  "| optimizer | against | Δ (paired) | tokens to its loss (seed mean) | speedup |",
+                  "|---|---|---:|---:|---:|"]
+        for c, v in pairs:
+            gap, reach, speedup = v["gap"], v["tokens_to_target"], v["speedup"]
+            delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
+            reach_s, speed = _reach_cells(reach, speedup, bool(C[c].get("n")) and P.finite(C[v["base"]].get("mean")))
+            lines.append(f"| {c} | {v['base']} | {delta} | {reach_s} | {speed} |")
     g = B.get("gates", {})
     ga, gb = g.get("a", {}), g.get("b", {})
     lines += ["", "## Sanity gates", "",
@@ -391,7 +428,7 @@ def render(report: dict[str, Any]) -> str:
                   for c, ok in ga.items()) or "-"),
               f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
               f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
-              + ("pass" if gb.get("pass") else "not run yet" if gb.get("frozen") is None else "**FAIL**"),
+              + ("pass" if gb.get("pass") else "**FAIL**" if gb.get("ran") else "not run yet"),
               "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
               "extending.", "",
               f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "
