@@ -47,8 +47,10 @@ DEFAULT_GRIDS: dict[str, str] = {
     "gwt-adamw:level=2": "1e-3,3e-3,1e-2",
     # The unclipped update is the larger one: its grid sits one step below the default's (the CPU runs use it).
     "gwt-adamw:level=2:detail_clip=none": "3e-4,1e-3,3e-3",
-    "muon": "3e-3,1e-2,3e-2",
-    "gwt-muon:level=2": "1e-2,3e-2,1e-1",
+    # The probes liked 1e-2..3e-2, but over a 1,000-step schedule Muon at 1e-2 trailed 3e-3 by 0.5 nats
+    # halfway (docs/results/budget-cpu.md), so both Muons share the grid around 3e-3.
+    "muon": "1e-3,3e-3,1e-2",
+    "gwt-muon:level=2": "1e-3,3e-3,1e-2",
 }
 DEFAULT_BETA2S = "0.95,0.999"
 FROZEN_LR = 1e-9  # "matrix lr 0": TrainConfig wants lr > 0; 2,000 steps of 1e-9 move no weight measurably
