@@ -252,7 +252,7 @@ def previous_results(path: Path, command: str) -> dict:
 
 @contextlib.contextmanager
 def report_kept_on_stop(command: str, out_dir: Path, finished: Callable[[], int],
-                        write_report: Callable[[], None]) -> Iterator[None]:
+                        write_report: Callable[[], object]) -> Iterator[None]:
     """A stop inside (Ctrl-C, or SIGTERM under the CLI) writes the report of the runs that finished, so
     ``results.md`` never shows an earlier command's, and says that ``--resume`` goes on from them."""
     try:
