@@ -178,33 +178,36 @@ def test_gaps_speedups_and_gates():
 
 
 def test_each_gwt_family_is_also_measured_against_the_optimizer_it_transforms():
+    # GWT-Adafactor against Adafactor stands for GWT-Muon against Muon (the report's use).
     out = _report(2.5, 3.2)
     C = out["contenders"]
-    C["muon"] = {"runs": [{"seed": s, "val_loss": v, "curve": [(1000, 3.0), (2000, v)]} for s, v in ((1, 2.4), (2, 2.6))],
-                 "mean": 2.5, "n": 2, "lrs": [1e-2], "best_lr": 1e-2}
-    C["gwt-muon:level=2"] = {"runs": [{"seed": s, "val_loss": v, "curve": [(1000, 2.8), (2000, v)]}
-                                      for s, v in ((1, 2.3), (2, 2.4))], "mean": 2.35, "n": 2, "lrs": [1e-2],
-                             "best_lr": 1e-2}
-    assert B.family_base("gwt-muon:level=2", list(C)) == "muon"
-    assert B.family_base("gwt-adamw:level=2", list(C)) == "adamw" and B.family_base("muon", list(C)) is None
-    assert B.family_base("gwt-muon:level=2", ["adamw", "muon:beta2=0.95"]) is None  # not Muon at its defaults
+    def runs(curve_mid: float, finals: tuple[float, float]) -> list[dict]:
+        return [{"seed": s, "val_loss": v, "curve": [(1000, curve_mid), (2000, v)]} for s, v in zip((1, 2), finals)]
+
+    C["adafactor"] = {"runs": runs(3.0, (2.4, 2.6)), "mean": 2.5, "n": 2, "lrs": [1e-2], "best_lr": 1e-2}
+    C["gwt-adafactor:level=2"] = {"runs": runs(2.8, (2.3, 2.4)), "mean": 2.35, "n": 2, "lrs": [1e-2], "best_lr": 1e-2}
+    assert B.family_base("gwt-adafactor:level=2", list(C)) == "adafactor"
+    assert B.family_base("gwt-adamw:level=2", list(C)) == "adamw" and B.family_base("adafactor", list(C)) is None
+    # Not Adafactor at its own defaults: no pair.
+    assert B.family_base("gwt-adafactor:level=2", ["adamw", "adafactor:beta2=0.95"]) is None
     B.analyse(out, 0.3)
-    v = C["gwt-muon:level=2"]["vs_family"]
-    assert v["base"] == "muon" and v["gap"]["mean"] == pytest.approx(-0.15) and v["gap"]["n"] == 2
-    # Its seed-mean curve (2.8 at 1000, 2.35 at 2000) crosses Muon's mean final loss 2.5 two thirds of the way.
+    v = C["gwt-adafactor:level=2"]["vs_family"]
+    assert v["base"] == "adafactor" and v["gap"]["mean"] == pytest.approx(-0.15) and v["gap"]["n"] == 2
+    # Its seed-mean curve (2.8 at 1000, 2.35 at 2000) crosses Adafactor's mean final loss 2.5 two thirds of the way.
     assert v["tokens_to_target"] == pytest.approx(1000 + 1000 * 0.3 / 0.45)
     assert v["speedup"] == pytest.approx(2000 / v["tokens_to_target"])
     # AdamW's own family is the main table; it is not repeated.
-    assert C["gwt-adamw:level=2"]["vs_family"] is None and C["muon"]["vs_family"] is None
+    assert C["gwt-adamw:level=2"]["vs_family"] is None and C["adafactor"]["vs_family"] is None
     # The speedup against AdamW is unchanged by the pairing.
-    assert C["gwt-muon:level=2"]["gap"]["mean"] == pytest.approx(2.35 - 3.015)
+    assert C["gwt-adafactor:level=2"]["gap"]["mean"] == pytest.approx(2.35 - 3.015)
     out.update(setting=_SETTING, train_tokens=1, beta2s=[0.999], jobs=1, threads=1, command="c",
                environment={})
     for t in C.values():
-        t.setdefault("std", 0.0), t.setdefault("n", len(t["runs"]))
+        t.setdefault("std", 0.0)
+        t.setdefault("n", len(t["runs"]))
     text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
                                         "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
-    row = next(line for line in text.splitlines() if line.startswith("| gwt-muon:level=2 | muon |"))
+    row = next(line for line in text.splitlines() if line.startswith("| gwt-adafactor:level=2 | adafactor |"))
     assert "-0.1500 ± 0.0707" in row and f"{v['speedup']:.2f}x" in row
 
 
