@@ -32,8 +32,13 @@ def _final_weights(run: str | Path) -> dict[str, torch.Tensor]:
     return ckpt.load_checkpoint(ckpt.latest_checkpoint(run))["model"]
 
 
+def _evals(run: str | Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in read_jsonl(Path(run) / "metrics.jsonl") if "val_loss" in r]
+
+
 def _assert_bitwise_equal(run: Path, reference: Path) -> None:
     assert _losses(run) == _losses(reference)
+    assert _evals(run) == _evals(reference)  # every validation, once, with the same figure
     a, b = _final_weights(run), _final_weights(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     summary = [json.loads((r / "summary.json").read_text()) for r in (run, reference)]
@@ -99,6 +104,48 @@ def test_sigint_at_random_moments_then_resume_is_bitwise_exact(tiny_config, tmp_
         signal.signal(signal.SIGINT, previous)
     assert interrupts == 17
     _assert_bitwise_equal(Path(part.out), Path(full.out))
+
+
+class _SigintAtEnd(Callback):
+    """A real SIGINT as step ``step`` ends: the stop lands between the step and its validation."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, step, record):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_stop_before_a_validation_makes_it_on_resume(tiny_config, tmp_path):
+    full = tiny_config(out=str(tmp_path / "full"), steps=8, eval_every=4)
+    train(full)
+    part = tiny_config(out=str(tmp_path / "part"), steps=8, eval_every=4)
+    with pytest.raises(KeyboardInterrupt):
+        train(part, callbacks=[_SigintAtEnd(4)])
+    # The loop stops before step 4's validation, so that a launcher's grace period need not cover one.
+    assert ckpt.latest_checkpoint(part.out).name == "step_00000004" and _evals(part.out) == []
+    part.resume = True
+    train(part)
+    assert [s for s, _ in _evals(full.out)] == [4, 8]
+    _assert_bitwise_equal(Path(part.out), Path(full.out))
+    # A resume at a validation step that was made (a crash after a periodic save) makes it again, once.
+    crash = tiny_config(out=str(tmp_path / "crash"), steps=8, eval_every=4, save_every=4)
+    with pytest.raises(RuntimeError):
+        train(crash, callbacks=[_CrashAt(6)])
+    assert _evals(crash.out) == _evals(full.out)[:1]
+    crash.resume = True
+    train(crash)
+    _assert_bitwise_equal(Path(crash.out), Path(full.out))
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_start(self, step, model):
+        if step == self.step:
+            raise RuntimeError("crash")
 
 
 # ------------------------------------------------------- SIGINT, a real subprocess

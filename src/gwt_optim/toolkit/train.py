@@ -474,6 +474,11 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
     return run
 
 
+def _is_eval_step(step: int, cfg: TrainConfig) -> bool:
+    """A validation follows this step inside the loop (the last step's comes after it)."""
+    return bool(cfg.eval_every) and 0 < step < cfg.steps and step % cfg.eval_every == 0
+
+
 def _load_resume_state(run: Path, cfg: TrainConfig, dctx, restore) -> tuple[Path | None, int]:
     """Put in place the newest checkpoint every rank can read and use
     (``restore(payload)`` loads it and returns its step); that checkpoint and step.
@@ -711,9 +716,13 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
                    autocast=str(amp) if amp else "fp32")
         atomic_write_json(run / "environment.json", env)
     log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
+    # A stop lands before its step's validation (see the loop), so a run resumed at a validation step makes
+    # that validation first. The weights are the checkpoint's and a validation draws no random number, so it
+    # logs the figure the uninterrupted run logged; one already made (a periodic save) is made again, once.
+    eval_first = last_ckpt is not None and _is_eval_step(start_step, cfg)
     if dctx.is_main and last_ckpt is not None:
-        # Drop the records of steps this run will redo, and the final validation of a finished run it redoes.
-        log.truncate_after(start_step, redo_eval=start_step == cfg.steps)
+        # Drop the records of steps this run will redo, and a validation it redoes.
+        log.truncate_after(start_step, redo_eval=start_step == cfg.steps or eval_first)
     elif dctx.is_main:
         (run / "metrics.jsonl").unlink(missing_ok=True)
 
@@ -756,6 +765,8 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
     in_step = False
     with _StopOnSignal() as sigint:
         try:
+            if eval_first:
+                val_loss = run_eval(step)
             while step < cfg.steps:
                 for cb in callbacks:
                     cb.on_step_start(step + 1, model)
@@ -810,7 +821,7 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
                 # cover one. One process reads its own flag, which may have been set after the reduction.
                 if (stop if dctx.distributed else sigint.requested) and step < cfg.steps:
                     raise sigint.stopped()
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                if _is_eval_step(step, cfg):
                     val_loss = run_eval(step)
                     if dctx.is_main:
                         bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
