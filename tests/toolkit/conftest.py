@@ -94,3 +94,20 @@ def tiny_config(tiny_model, corpus, tmp_path):
         return TrainConfig(**base)
 
     return make
+
+
+@pytest.fixture
+def stop_at():
+    """A callback factory: ``stop_at(6)`` interrupts before step 6 starts, as Ctrl-C would;
+    ``stop_at(6, RuntimeError)`` crashes there instead, which saves nothing."""
+    from gwt_optim.toolkit.train import Callback
+
+    class StopAt(Callback):
+        def __init__(self, step: int, exc: type[BaseException] = KeyboardInterrupt):
+            self.step, self.exc = step, exc
+
+        def on_step_start(self, step, model):
+            if step == self.step:
+                raise self.exc("stop")
+
+    return StopAt

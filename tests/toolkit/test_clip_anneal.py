@@ -15,7 +15,7 @@ from gwt_optim.optim import GWTAdamW
 from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
 from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
-from gwt_optim.toolkit.train import Callback, DetailClipAnneal, train
+from gwt_optim.toolkit.train import DetailClipAnneal, train
 
 
 def test_the_clip_follows_the_cosine_on_gwt_groups_only():
@@ -42,7 +42,7 @@ def test_bad_ends_are_value_errors(spec):
         build_optimizer(name, torch.nn.Linear(8, 8), OptimizerConfig(lr=1e-3, options=opts))
 
 
-def test_a_resumed_annealed_run_is_bitwise_the_uninterrupted_one(tiny_config, tmp_path):
+def test_a_resumed_annealed_run_is_bitwise_the_uninterrupted_one(tiny_config, tmp_path, stop_at):
     spec = "gwt-adamw:level=1:detail_clip_end=2"
     full = tiny_config(out=str(tmp_path / "full"), optimizer=spec, steps=8, save_every=2)
     train(full)
@@ -50,14 +50,9 @@ def test_a_resumed_annealed_run_is_bitwise_the_uninterrupted_one(tiny_config, tm
     clips = {g["detail_clip"] for g in state["optimizer"]["param_groups"] if g.get("level")}
     assert len(clips) == 1 and clips.pop() == pytest.approx(2.0)
 
-    class StopAt(Callback):
-        def on_step_start(self, step, model):
-            if step == 5:
-                raise KeyboardInterrupt
-
     part = tiny_config(out=str(tmp_path / "part"), optimizer=spec, steps=8, save_every=2)
     with pytest.raises(KeyboardInterrupt):
-        train(part, callbacks=[StopAt()])
+        train(part, callbacks=[stop_at(5)])
     train(tiny_config(out=part.out, optimizer=spec, steps=8, save_every=2, resume=True))
     losses = [[r["loss"] for r in read_jsonl(Path(d) / "metrics.jsonl") if "loss" in r] for d in (full.out, part.out)]
     assert losses[0] == losses[1]

@@ -54,24 +54,13 @@ def test_run_learns_and_writes_its_run_directory(tiny_config):
     assert ckpt.latest_checkpoint(run).name == "step_00000012"
 
 
-class _StopAt(Callback):
-    """Interrupt before step ``step`` starts, as Ctrl-C would."""
-
-    def __init__(self, step: int, exc: type[BaseException] = KeyboardInterrupt):
-        self.step, self.exc = step, exc
-
-    def on_step_start(self, step, model):
-        if step == self.step:
-            raise self.exc("stop")
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "gwt-adamw:level=2:scale=0.25"])
-def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path, optimizer):
+def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path, optimizer, stop_at):
     full = train(tiny_config(out=str(tmp_path / "full"), optimizer=optimizer))
     # Ctrl-C before step 6: the loop saves a checkpoint of step 5 and re-raises.
     part = tiny_config(out=str(tmp_path / "part"), optimizer=optimizer)
     with pytest.raises(KeyboardInterrupt):
-        train(part, callbacks=[_StopAt(6)])
+        train(part, callbacks=[stop_at(6)])
     assert ckpt.latest_checkpoint(part.out).name == "step_00000005"
     with pytest.raises(FileExistsError, match="--resume"):
         train(part)
@@ -81,11 +70,11 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path,
     assert resumed["val_loss"] == full["val_loss"]
 
 
-def test_resume_after_a_crash_redoes_steps_since_the_last_checkpoint(tiny_config, tmp_path):
+def test_resume_after_a_crash_redoes_steps_since_the_last_checkpoint(tiny_config, tmp_path, stop_at):
     train(tiny_config(out=str(tmp_path / "full")))
     part = tiny_config(out=str(tmp_path / "part"), save_every=3)
     with pytest.raises(RuntimeError):
-        train(part, callbacks=[_StopAt(6, RuntimeError)])  # a crash saves nothing
+        train(part, callbacks=[stop_at(6, RuntimeError)])  # a crash saves nothing
     assert ckpt.latest_checkpoint(part.out).name == "step_00000003"
     part.resume = True
     train(part)
@@ -149,7 +138,7 @@ def test_batch_that_does_not_split_is_rejected(tiny_config):
         train(tiny_config(micro_batch_size=3))
 
 
-def test_streamed_c4_pipeline_trains_and_resumes_exactly(tiny_config, corpus, tmp_path, monkeypatch):
+def test_streamed_c4_pipeline_trains_and_resumes_exactly(tiny_config, corpus, tmp_path, monkeypatch, stop_at):
     """C4 itself needs the network; the same streaming path runs on a stand-in stream."""
     from gwt_optim.toolkit import data
 
@@ -167,7 +156,7 @@ def test_streamed_c4_pipeline_trains_and_resumes_exactly(tiny_config, corpus, tm
     train(full)
     part = tiny_config(out=str(tmp_path / "part"), data="c4", tokenizer="bpe:320", steps=6, eval_every=3)
     with pytest.raises(KeyboardInterrupt):
-        train(part, callbacks=[_StopAt(4)])
+        train(part, callbacks=[stop_at(4)])
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(part.out))["data"]["kind"] == "stream"
     part.resume = True
     train(part)

@@ -117,7 +117,7 @@ class _SigintAtEnd(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_a_stop_before_a_validation_makes_it_on_resume(tiny_config, tmp_path):
+def test_a_stop_before_a_validation_makes_it_on_resume(tiny_config, tmp_path, stop_at):
     full = tiny_config(out=str(tmp_path / "full"), steps=8, eval_every=4)
     train(full)
     part = tiny_config(out=str(tmp_path / "part"), steps=8, eval_every=4)
@@ -132,20 +132,11 @@ def test_a_stop_before_a_validation_makes_it_on_resume(tiny_config, tmp_path):
     # A resume at a validation step that was made (a crash after a periodic save) makes it again, once.
     crash = tiny_config(out=str(tmp_path / "crash"), steps=8, eval_every=4, save_every=4)
     with pytest.raises(RuntimeError):
-        train(crash, callbacks=[_CrashAt(6)])
+        train(crash, callbacks=[stop_at(6, RuntimeError)])
     assert _evals(crash.out) == _evals(full.out)[:1]
     crash.resume = True
     train(crash)
     _assert_bitwise_equal(Path(crash.out), Path(full.out))
-
-
-class _CrashAt(Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_start(self, step, model):
-        if step == self.step:
-            raise RuntimeError("crash")
 
 
 # ------------------------------------------------------- SIGINT, a real subprocess
@@ -201,23 +192,18 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
 # ------------------------------------------------------------ --resume settings
 
 
-def _interrupted(tiny_config, out: Path, at: int, **kw):
-    class StopAt(Callback):
-        def on_step_start(self, step, model):
-            if step == at:
-                raise KeyboardInterrupt
-
+def _interrupted(tiny_config, stop_at, out: Path, at: int, **kw):
     cfg = tiny_config(out=str(out), **kw)
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, callbacks=[StopAt()])
+        train(cfg, callbacks=[stop_at(at)])
     return cfg
 
 
-def test_resume_with_no_other_flags_uses_the_runs_own_settings(tiny_config, tmp_path):
+def test_resume_with_no_other_flags_uses_the_runs_own_settings(tiny_config, tmp_path, stop_at):
     opt = "gwt-adamw:level=2:scale=0.25"
     full = tiny_config(out=str(tmp_path / "full"), optimizer=opt, steps=6)
     train(full)
-    part = _interrupted(tiny_config, tmp_path / "part", 4, optimizer=opt, steps=6)
+    part = _interrupted(tiny_config, stop_at, tmp_path / "part", 4, optimizer=opt, steps=6)
     assert main(["pretrain", "--out", part.out, "--resume"]) == 0
     assert json.loads((Path(part.out) / "config.json").read_text())["optimizer"] == opt
     _assert_bitwise_equal(Path(part.out), Path(full.out))
@@ -227,8 +213,8 @@ def test_resume_with_no_other_flags_uses_the_runs_own_settings(tiny_config, tmp_
     ("--optimizer", "gwt-adamw", "optimizer"), ("--model", "llama_9m", "model"), ("--data", "demo", "data"),
     ("--lr", "1e-2", "lr"), ("--seq-len", "16", "seq_len"),
 ])
-def test_resume_refuses_settings_that_would_splice_two_runs(tiny_config, tmp_path, capsys, flag, value, key):
-    part = _interrupted(tiny_config, tmp_path / "part", 3)
+def test_resume_refuses_settings_that_would_splice_two_runs(tiny_config, tmp_path, capsys, stop_at, flag, value, key):
+    part = _interrupted(tiny_config, stop_at, tmp_path / "part", 3)
     before = (Path(part.out) / "config.json").read_text()
     assert main(["pretrain", "--out", part.out, "--resume", flag, value]) == 2
     err = capsys.readouterr().err
