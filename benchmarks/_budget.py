@@ -111,7 +111,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="start no run after S seconds; stop those still running S + --grace seconds in (they save)")
     g.add_argument("--grace", type=float, default=45.0)
     g.add_argument("--progress", action="store_true",
-                   help="a table of every run folder under --out (finished or not) and its last validation")
+                   help="a table of every run folder under --out (finished or not) and its last validation, and "
+                        "their curves in OUT/progress.png and budget-progress.png beside --plot")
     g.add_argument("--report-only", action="store_true", help="report the finished runs, start none")
     g.add_argument("--out", default="runs/budget")
     g.add_argument("--plot", default=str(PLOT_PATH), help="where the loss-vs-tokens plot also goes ('' for none)")
@@ -441,28 +442,33 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _axes():
+def _axes(width: float = 7):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(width, 4.5))
     return plt, fig, ax
 
 
-def _save(plt, fig, ax, *, lo: float | None, span: float, title: str, legend_size: int, paths: Sequence[Path]):
+def _save(plt, fig, ax, *, lo: float | None, span: float, title: str, legend_size: int, paths: Sequence[Path],
+          legend_outside: bool = False):
     """Loss against tokens, the y range from the lowest loss up ``span`` nats, written to every path."""
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("validation loss")
     if lo is not None:
         ax.set_ylim(lo - 0.05, lo + span)
     ax.set_title(title)
-    ax.legend(fontsize=legend_size)
+    if legend_outside:  # a whole study's runs: a legend inside would cover the curves
+        ncol = 1 + len(ax.get_legend_handles_labels()[1]) // 24
+        ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, ncol=ncol)
+    else:
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight" if legend_outside else None)
     plt.close(fig)
 
 
@@ -517,17 +523,19 @@ def progress_table(out: Path) -> str:
 
 def plot_progress(out: Path, paths: Sequence[Path], tokens_per_step: int) -> None:
     """Every run's validation curve so far (tuning runs included): the interim picture."""
-    plt, fig, ax = _axes()
+    plt, fig, ax = _axes(width=12)
     lo = None
     for stage, run, cfg in run_folders(out):
         curve = read_curve(run, tokens_per_step)
         if not curve:
             continue
-        name = P.parse_spec(cfg["optimizer"])[0] + (" (paper)" if "detail_clip=none" in cfg["optimizer"] else "")
+        name, opts = P.parse_spec(cfg["optimizer"])
+        name += (" (paper)" if opts.get("detail_clip") == "none" else "") + (
+            f", β2 {opts['beta2']}" if "beta2" in opts else "")
         ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], ls="-" if stage == "report" else "--",
                 label=f"{name}, lr {cfg['lr']:g}, {stage} seed {cfg['seed']}")
         lo = min([y for _, y in curve] + ([lo] if lo is not None else []))
-    _save(plt, fig, ax, lo=lo, span=1.0, legend_size=7, paths=paths,
+    _save(plt, fig, ax, lo=lo, span=1.0, legend_size=6, paths=paths, legend_outside=True,
           title="budget study so far: every run's validation loss")
 
 
@@ -536,10 +544,11 @@ def main(argv: list[str] | None, description: str) -> int:
 
     start = time.monotonic()
     args = build_parser(description).parse_args(argv)
-    if args.progress:  # the interim record: a table, and the curves in OUT/progress.png (and --plot)
+    if args.progress:  # the interim record: a table, and the curves in OUT/progress.png and beside --plot
         print(progress_table(Path(args.out)), end="")
-        plot_progress(Path(args.out), [Path(args.out) / "progress.png"] + ([Path(args.plot)] if args.plot else []),
-                      args.tokens_per_step)
+        # Beside the results plot, never over it: --progress runs mid-study, when that plot is the last result.
+        beside = [Path(args.plot).with_name("budget-progress.png")] if args.plot else []
+        plot_progress(Path(args.out), [Path(args.out) / "progress.png"] + beside, args.tokens_per_step)
         return 0
     from gwt_optim.toolkit.metrics import environment
     from gwt_optim.toolkit.train import TrainConfig

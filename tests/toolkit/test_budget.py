@@ -234,8 +234,11 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     md = (out / "budget.md").read_text()
     assert "Sanity gates" in md and "(b) AdamW's trained matrices" in md and "speedup" in md
     assert (out / "loss-vs-tokens.png").stat().st_size > 1000
-    B.plot_progress(out, [out / "progress.png"], 128)
-    assert (out / "progress.png").stat().st_size > 1000
+    img = tmp_path / "img" / "loss-vs-tokens.png"
+    assert B.main(["--budget", "512", "--progress", "--out", str(out), "--tokens-per-step", "128", "--plot", str(img)],
+                  "") == 0
+    assert (out / "progress.png").stat().st_size > 1000 and (img.parent / "budget-progress.png").is_file()
+    assert not img.exists()  # the interim picture goes beside the results plot, never over it
     table = B.progress_table(out)  # the interim record: every run folder, finished or not
     assert table.count("| tune |") == 3 and table.count("| report |") == 3 and "| 4 / 4 |" in table
     # --resume reuses every run
