@@ -196,6 +196,14 @@ class GWTMuon(GWTOptimizer):
             raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {g['ns_coefficients']!r}")
         if not 0 < g["ns_steps"] < 100:
             raise ValueError(f"Invalid ns_steps: {g['ns_steps']} (must be in [1, 100))")
+        if g["use_muon"] and g["detail_clip"] is not None:
+            # The clip bounds details normalized by Adam's denominators. A Muon group has none, so it would clamp
+            # raw gradient coefficients, which a clipped gradient keeps far below any sensible bound: a silent
+            # no-op (measured at the 16M budget: within rounding of the unclipped run).
+            raise ValueError(
+                f"detail_clip={g['detail_clip']!r} has no effect in a use_muon group: its details are raw gradient "
+                "coefficients, not normalized ones, and Newton-Schulz normalizes the whole step; leave it None"
+            )
         GWTAdamW._validate_family(self, g)  # the AdamW groups' betas and eps
 
     # Groups with use_muon=False are GWT-AdamW groups: reuse its hooks as they are.
