@@ -229,19 +229,18 @@ def test_detail_clip_default_is_half_and_none_is_the_paper_update():
             GWTAdamW([torch.nn.Parameter(torch.zeros(2, 4))], detail_clip=bad)
 
 
-@pytest.mark.parametrize("family", ["GWTMuon", "GWTAdamMini", "GWTAdafactor"])
+# GWTMuon refuses the clip in its Muon groups (tests/test_muon.py): they have no denominator to normalize by.
+@pytest.mark.parametrize("family", ["GWTAdamMini", "GWTAdafactor"])
 def test_detail_clip_reaches_other_families_fast_equals_reference(family):
     import gwt_optim
 
     W0, grads = make_problem((8, 32), steps=4, seed=3)
     cls = getattr(gwt_optim, family)
-    kw = {"ns_dtype": "float64"} if family == "GWTMuon" else {}
     outs = []
     for impl in ("fast", "reference"):
-        outs.append(run_torch(lambda p: cls([{"params": p, "detail_clip": 0.5}], lr=1e-2, impl=impl, **kw),
-                              W0, grads))
+        outs.append(run_torch(lambda p: cls([{"params": p, "detail_clip": 0.5}], lr=1e-2, impl=impl), W0, grads))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-12)
-    paper = run_torch(lambda p: cls(p, lr=1e-2, **kw), W0, grads)
+    paper = run_torch(lambda p: cls(p, lr=1e-2), W0, grads)
     assert not torch.allclose(paper, outs[0])
 
 

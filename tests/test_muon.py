@@ -121,8 +121,8 @@ def test_non_matrix_in_muon_group_names_the_fix():
         GWTMuon([torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="ns_dtype"):
         GWTMuon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="int8")
-    # The clip needs normalized details; a Muon group's are raw, so it would silently do nothing.
-    with pytest.raises(ValueError, match="detail_clip=0.5 has no effect in a use_muon group"):
+    # The clip bounds normalized details; a Muon group's are raw gradient coefficients.
+    with pytest.raises(ValueError, match="detail_clip=0.5 does not apply to a use_muon group"):
         GWTMuon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "level": 1, "detail_clip": 0.5}])
     GWTMuon([{"params": [torch.nn.Parameter(torch.zeros(4))], "use_muon": False, "level": 1, "detail_clip": 0.5}])
 
