@@ -142,8 +142,31 @@ def test_streaming_batches_resume_exactly():
         assert torch.equal(resumed.next(2), want)
 
 
-def test_validation_windows_are_a_fixed_budget():
+def test_validation_windows_are_a_fixed_budget_spread_over_the_stream():
     stream = torch.arange(100, dtype=torch.int32)
     w = data.validation_windows(stream, 8, 40)
     assert w.shape == (5, 8) and w.dtype == torch.long
-    assert torch.equal(w.flatten(), torch.arange(40))
+    starts = w[:, 0].tolist()
+    assert starts == [0, 16, 32, 56, 72]  # windows 0, 2, 4, 7, 9 of 12
+    assert all(torch.equal(row, torch.arange(s, s + 8)) for row, s in zip(w, starts))
+    # A budget past the stream takes every window, in order.
+    assert torch.equal(data.validation_windows(stream, 8, 10_000).flatten(), torch.arange(96))
+
+
+def test_validation_spans_a_corpus_grouped_by_source(tmp_path, _shared_cache):
+    """A local corpus stored one source after another: the validation windows
+    hold tokens of every source, not of the first one alone."""
+    sources = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    rows = [{"text": f"{name} " * 60} for name in sources for _ in range(20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bundle = data.build_data(str(tmp_path), seq_len=16, val_tokens=16 * 16, tokenizer="bpe", vocab_size=300,
+                             progress=False)
+    assert bundle.validation.shape == (16, 16)
+    text = bundle.tokenizer.decode(bundle.validation.flatten().tolist())
+    assert {name for name in sources if name in text} == set(sources)
+    # The old reading, the first val_tokens of the stream, saw the first source alone.
+    stream = data.tokenize_corpus(data.load_texts(str(tmp_path), "validation"), bundle.tokenizer, cache=False,
+                                  progress=False)
+    first = bundle.tokenizer.decode(stream[: 16 * 16].tolist())
+    assert {name for name in sources if name in first} == {"alpha"}

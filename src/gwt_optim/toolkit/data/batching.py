@@ -170,12 +170,21 @@ class StreamingBatches:
 
 
 def validation_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int) -> torch.Tensor:
-    """The first ``max_tokens // seq_len`` windows of the validation stream, in
-    order: a fixed token budget, the same for every run."""
-    n = min(len(tokens) // seq_len, max(1, max_tokens // seq_len))
-    if n < 1:
+    """``max_tokens // seq_len`` windows spread evenly over the whole
+    validation stream: a fixed token budget, the same for every run and seed.
+
+    Window ``i`` of ``n`` is window ``i * N // n`` of the ``N`` the stream
+    holds. Corpora are often stored grouped by source (``pysrc`` is one
+    package after another), so the first ``max_tokens`` tokens would be one
+    source's; an even stride reaches every part of the stream. When the
+    budget covers the stream, every window is taken, in order.
+    """
+    total = len(tokens) // seq_len
+    if total < 1:
         raise ValueError(f"{len(tokens)} validation tokens cannot fill one sequence of {seq_len}")
-    return tokens[: n * seq_len].view(n, seq_len).long()
+    n = min(total, max(1, max_tokens // seq_len))
+    picks = torch.arange(n) * total // n
+    return tokens[: total * seq_len].view(total, seq_len)[picks].long()
 
 
 @dataclass
