@@ -14,13 +14,16 @@ always the same (Wen et al., 2025, Alg. 1):
    :math:`U \leftarrow U/r`, :math:`s \leftarrow \|U\|_F`;
 4. normalize the details with the normalizer repeated to their length,
    :math:`\tilde D_j = D_j / (\mathrm{den}' \cdot r)`;
-5. :math:`\Delta = \alpha \cdot \mathrm{inverse}([U, \tilde D_l, \dots, \tilde D_1])`,
-   optionally post-processed (Muon orthogonalizes it);
+5. :math:`\Delta = \alpha \cdot \mathrm{inverse}([U, \tilde D_l, \dots, \tilde D_1])`
+   (GWT-Muon has a direction of its own: :math:`\alpha` times the
+   orthogonalized inverse of its raw details);
 6. decoupled weight decay and :math:`W \leftarrow W - \eta \cdot c_t \cdot \Delta`
    with the family's step factor :math:`c_t`.
 
-A family (:class:`GWTOptimizer` subclass) supplies only its state (step 2),
-its step factor and, optionally, a post-processing of :math:`\Delta`. The base
+Each step is stated once, per tensor, in :mod:`gwt_optim.optim.functional`,
+whose pieces the eager path here calls. A family (:class:`GWTOptimizer`
+subclass) supplies only its state (step 2), its step factor and, optionally,
+its own direction :math:`\Delta`. The base
 runs the transform, limiter, detail normalization, inverse and weight update,
 in two implementations that are tested against each other:
 
@@ -82,7 +85,8 @@ from gwt_optim.optim import _fused
 from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
                                       reduce_limiter_norms)
 from gwt_optim.optim._saved import check_family, check_saved_state, eager_state_problem
-from gwt_optim.optim._stepper import LIMITER_EPS, ParamStep, StepBatch, Stepper, run_unplanned
+from gwt_optim.optim._stepper import ParamStep, StepBatch, Stepper, run_unplanned
+from gwt_optim.optim.functional import apply_update, direction, haar_approx, limiter_ratio
 
 __all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "Route", "PATHS", "IMPLEMENTATIONS"]
 
@@ -173,7 +177,7 @@ class GWTOptimizer(Optimizer):
     """Base class of the GWT optimizers. See the module docstring for the step.
 
     Subclasses implement :meth:`_init_family_state`, :meth:`_approx_update`
-    and :meth:`_step_factor`, and may override :meth:`_postprocess`,
+    and :meth:`_step_factor`, and may override :meth:`_direction`,
     :meth:`_validate_family`, :meth:`_validate_param` and
     :meth:`_fused_kernel` (fused kernels for the whole transformed step of
     some parameters). Hooks that need the parameter receive its
@@ -360,9 +364,13 @@ class GWTOptimizer(Optimizer):
         than the group and the step count."""
         return 1.0
 
-    def _postprocess(self, ps: ParamStep, delta: Tensor) -> Tensor:
-        """A hook on the full-size direction :math:`\\Delta` (Muon orthogonalizes)."""
-        return delta
+    def _direction(self, ps: ParamStep, r: Tensor | float) -> Tensor:
+        """The full-size direction :math:`\\Delta` of an eager step, from the
+        approximation update, the denominators and the limiter's ``r``
+        (:func:`~gwt_optim.optim.functional.direction`; GWT-Muon replaces it)."""
+        scale = ps.group["scale"] if ps.transformed else 1.0
+        clip = ps.group["detail_clip"] if ps.transformed else None
+        return direction(ps.grad, ps.A, ps.U, ps.den, r, scale, ps.level, clip, ps.coeffs)
 
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
@@ -374,7 +382,7 @@ class GWTOptimizer(Optimizer):
         default has none. :meth:`route` asks first with the gradient ``G`` in
         its own dtype, then in the compute dtype. The state is checked with
         :func:`~gwt_optim.optim._fused.state_problem` before a backend sees
-        it, and fused steps skip :meth:`_postprocess`.
+        it, and fused steps skip :meth:`_direction`.
         """
         return None
 
@@ -663,7 +671,7 @@ class GWTOptimizer(Optimizer):
         if route.path == "plain":
             A = G
         elif route.path == "haar":
-            A = _haar_approx(G, level)
+            A = haar_approx(G, level)
         elif route.path == "reference":
             coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
             A = coeffs.approx
@@ -720,64 +728,25 @@ class GWTOptimizer(Optimizer):
         return ps
 
     def _limit(self, ps: ParamStep) -> Tensor | float:
-        """Fira's norm-growth limiter; returns r and updates s in the state."""
+        """Fira's norm-growth limiter (:func:`~gwt_optim.optim.functional.limiter_ratio`);
+        returns r and updates s in the state."""
         if not ps.limited:
             return 1.0
-        gamma = ps.group["norm_growth_limit"]
-        s = ps.state["limiter_norm"]
-        # No norm recorded yet (the first step, or only skipped non-finite
-        # ones so far): record this one rather than limit against zero.
-        if not isinstance(ps.norm_sq, Tensor):
-            # A float from a fused CPU kernel: scalar math, no tiny tensor ops.
-            norm = math.sqrt(ps.norm_sq)
-            s_ = s.item()
-            r_ = 1.0 if ps.step == 1 or not s_ > 0 else max(norm / (s_ + LIMITER_EPS), gamma) / gamma
-            s.fill_(norm / r_)
-            return r_
-        norm = ps.norm_sq.sqrt()
-        if ps.step == 1:
-            r = torch.ones((), dtype=norm.dtype, device=norm.device)
-        else:
-            limited = torch.clamp(norm / (s + LIMITER_EPS), min=gamma) / gamma
-            r = torch.where(s > 0, limited, torch.ones_like(limited))
-        s.copy_(norm / r)
-        return r
+        return limiter_ratio(ps.norm_sq, ps.state["limiter_norm"], ps.step, ps.group["norm_growth_limit"])
 
     def _phase2(self, ps: ParamStep) -> None:
-        group, state, step = ps.group, ps.state, ps.step
+        group = ps.group
         r = self._limit(ps)
-        scale = group["scale"] if ps.transformed else 1.0
         w = ps.param
         lr = group["lr"]
         lr = lr.item() if isinstance(lr, Tensor) else lr
+        step_size = lr * self._step_factor(ps)
         if ps.fused is not None:
-            step_size = lr * self._step_factor(ps)
+            scale = group["scale"] if ps.transformed else 1.0
             ps.fused.phase2(w, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
             return
-        clip = group["detail_clip"] if ps.transformed else None
-        if ps.coeffs is not None:
-            delta = _reference_inverse(ps.coeffs, ps.U, ps.den, r, clip) * scale
-        else:
-            coef = scale / r if isinstance(r, float) else (scale / r).to(ps.U.dtype)
-            if ps.level == 0:
-                delta = ps.U * coef
-            else:
-                delta = _haar_delta(ps.grad, ps.A, ps.U, ps.den, coef, ps.level, clip)
-        delta = self._postprocess(ps, delta)
-
-        wd = group["weight_decay"]
-        step_size = lr * self._step_factor(ps)
-        if w.dtype == delta.dtype:
-            if wd != 0:
-                w.mul_(1 - lr * wd)
-            w.add_(delta, alpha=-step_size)
-        else:
-            # bf16/fp16 parameters: update in fp32, round once.
-            w32 = w.to(delta.dtype)
-            if wd != 0:
-                w32.mul_(1 - lr * wd)
-            w32.add_(delta, alpha=-step_size)
-            w.copy_(w32)
+        delta = self._direction(ps, r)
+        apply_update(w, delta, lr=lr, weight_decay=group["weight_decay"], step_size=step_size)
 
 
 def _is_real(x: Any) -> bool:
@@ -808,77 +777,3 @@ def _finite_at_once(params: list[Tensor]) -> dict[int, bool]:
     for group in by_device.values():
         finite.update(zip(map(id, group), _fused.all_finite([p.grad for p in group])))
     return finite
-
-
-def _safe_div(x: Tensor, den: Tensor) -> Tensor:
-    """``x / den`` with entries over ``den == 0`` set to 0 (eps = 0 and V = 0)."""
-    return torch.where(den > 0, x / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(x))
-
-
-def _haar_approx(G: Tensor, level: int) -> Tensor:
-    """A_l of the Haar transform: block sums over 2^l columns, times 2^(-l/2).
-
-    A matrix-vector product with a constant vector: on CPU it runs as one BLAS
-    pass, several times faster than ``sum(-1)`` over a tiny inner dimension.
-    """
-    blocks, _ = wavelets.haar_block_split(G, level)
-    h = torch.full((blocks.shape[-1],), 2.0 ** (-level / 2), dtype=G.dtype, device=G.device)
-    return blocks @ h
-
-
-def _haar_delta(
-    G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int, clip: float | None = None
-) -> Tensor:
-    """Closed form of ``coef * inverse([U, D_l/den', ..., D_1/den'])`` for Haar.
-
-    On block k the inverse of the details alone is ``G_k - mean(G_k)`` and
-    ``mean(G_k) = A_k 2^(-l/2)``, so with ``q = coef/den`` the whole direction is
-    ``G_k q_k + c_k`` where ``c_k = 2^(-l/2) (coef U_k - A_k q_k)``: one
-    ``addcmul`` pass over G with per-block scalars.
-
-    With ``clip`` the normalized detail ``(G_k - mean(G_k))/den_k`` is clamped
-    to ``[-clip, clip]`` elementwise before ``coef`` scales it.
-    """
-    blocks, n = wavelets.haar_block_split(G, level)
-    h = 2.0 ** (-level / 2)
-    if den is None:
-        d = torch.ones_like(A)
-    else:
-        d = torch.where(den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
-    if clip is None:
-        q = d.mul_(coef)
-        c = (U * coef).sub_(A * q).mul_(h)
-        delta = torch.addcmul(c.unsqueeze(-1), blocks, q.unsqueeze(-1)).flatten(-2)
-    else:
-        detail = (blocks - (A * h).unsqueeze(-1)).mul_(d.unsqueeze(-1)).clamp_(-clip, clip)
-        delta = detail.add_((U * h).unsqueeze(-1)).mul_(coef).flatten(-2)
-    return delta[..., :n] if delta.shape[-1] != n else delta
-
-
-def _repeat_to(den: Tensor, repeats: int, length: int) -> Tensor:
-    """den' of the paper: each entry repeated over the details under it."""
-    out = den.repeat_interleave(repeats, dim=-1)
-    if out.shape[-1] < length:  # longer filters (db2, ...) can exceed it by a few
-        out = torch.nn.functional.pad(out, (0, length - out.shape[-1]), mode="replicate")
-    return out[..., :length]
-
-
-def _reference_inverse(coeffs: wavelets.Coefficients, U: Tensor, den, r, clip: float | None = None) -> Tensor:
-    """Steps 4-5 in the paper's notation: normalize each detail level by den'
-    and r, then the inverse transform of [U/r, D~_l, ..., D~_1].
-
-    With ``clip``, the normalized details' own reconstruction (the inverse of
-    [0, D_l/den', ..., D_1/den']) is clamped to ``[-clip, clip]`` before the
-    division by r; by linearity the approximation part is unchanged.
-    """
-    details = []
-    for i, D in enumerate(coeffs.details):  # coarsest first: D_l covers 2^0 per coefficient
-        Dt = D
-        if den is not None:
-            Dt = _safe_div(D, _repeat_to(den, 1 << i, D.shape[-1]))
-        details.append(Dt if clip is not None else Dt / r)
-    if clip is None:
-        return wavelets.waverec(coeffs._replace(approx=U / r, details=tuple(details)))
-    approx_part = wavelets.waverec(coeffs._replace(approx=U, details=tuple(torch.zeros_like(D) for D in details)))
-    detail_part = wavelets.waverec(coeffs._replace(approx=torch.zeros_like(U), details=tuple(details)))
-    return (approx_part + detail_part.clamp(-clip, clip)) / r

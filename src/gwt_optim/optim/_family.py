@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["transform_defaults"]
+__all__ = ["transform_defaults", "check_adam_hyperparameters"]
 
 
 def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit: float | None) -> dict[str, Any]:
@@ -23,3 +23,17 @@ def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit
     a saved ``state_dict`` keeps.
     """
     return dict(level=level, wavelet=wavelet, scale=scale, norm_growth_limit=norm_growth_limit)
+
+
+def check_adam_hyperparameters(g: dict[str, Any]) -> None:
+    """``ValueError`` for a group's Adam ``betas`` or ``eps`` out of range
+    (GWT-AdamW, GWT-Adam-mini, and GWT-Muon's AdamW groups)."""
+    betas = g["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        b = b.item() if hasattr(b, "item") else b  # a 0-d tensor
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
+    if not 0.0 <= g["eps"]:
+        raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")

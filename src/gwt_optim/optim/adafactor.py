@@ -47,31 +47,16 @@ this is ``torch.optim.Adafactor`` (to fp32 rounding).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim._family import transform_defaults
+from gwt_optim.optim.functional import DETAIL_NORMS, adafactor_moments, adafactor_step_factor
 
 __all__ = ["GWTAdafactor", "DETAIL_NORMS"]
-
-
-def _den_second_moment(rsqrt_v: Tensor, clip: float) -> Tensor:
-    return rsqrt_v.reciprocal().mul_(clip)
-
-
-def _den_clip(rsqrt_v: Tensor, clip: float) -> Tensor:
-    return rsqrt_v.new_full((), clip).expand_as(rsqrt_v)
-
-
-# The details' normalizer from 1/sqrt(V^) and the clipping factor.
-DETAIL_NORMS: dict[str, Callable[[Tensor, float], Tensor]] = {
-    "clip": _den_clip,
-    "second_moment": _den_second_moment,
-}
 
 
 class GWTAdafactor(GWTOptimizer):
@@ -153,47 +138,15 @@ class GWTAdafactor(GWTOptimizer):
             state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
     def _approx_update(self, group, state, A, step, transformed):
-        eps1 = group["eps"][0]
-        if eps1 is None:
-            eps1 = torch.finfo(A.dtype).eps
-        one_minus_beta2_t = step ** group["beta2_decay"]
-        if "row_var" in state:
-            R, C = state["row_var"], state["col_var"]
-            # (A * A).mean(-1) without materializing A * A
-            r = R.to(A.dtype).lerp_(torch.norm(A, dim=-1, keepdim=True).square_().div_(A.size(-1)), one_minus_beta2_t)
-            c = C.to(A.dtype).lerp_(torch.norm(A, dim=-2, keepdim=True).square_().div_(A.size(-2)), one_minus_beta2_t)
-            if r is not R:  # low-precision statistics: update in the compute dtype, store once
-                R.copy_(r)
-                C.copy_(c)
-            var = (r @ c).div_(r.mean(dim=-2, keepdim=True).clamp_(min=eps1))
-        else:
-            V = state["variance"]
-            v = V.to(A.dtype).lerp_(A * A, one_minus_beta2_t)
-            if v is not V:
-                V.copy_(v)
-            var = v.clone()
-        rsqrt_v = var.clamp_(min=eps1 * eps1).rsqrt_()
-        U = rsqrt_v * A
-        clip = max(1.0, U.norm(2).item() / ((U.numel() ** 0.5) * group["d"]))
-        if clip != 1.0:
-            U.div_(clip)
-        if group["beta1"] is not None:
-            M = state["exp_avg"]
-            m = M.to(A.dtype).lerp_(U, 1 - group["beta1"])
-            if m is not M:
-                M.copy_(m)
-            U = m.clone()
-        return U, DETAIL_NORMS[group["detail_norm"]](rsqrt_v, clip)
+        return adafactor_moments(
+            A, step, row_var=state.get("row_var"), col_var=state.get("col_var"), variance=state.get("variance"),
+            exp_avg=state.get("exp_avg"), beta2_decay=group["beta2_decay"], eps1=group["eps"][0], d=group["d"],
+            beta1=group["beta1"], detail_norm=group["detail_norm"],
+        )
 
     def _step_factor(self, ps) -> float:
-        group, step = ps.group, ps.step
+        group = ps.group
         lr = group["lr"]
         lr = lr.item() if isinstance(lr, Tensor) else lr
-        if not group["relative_step"]:
-            return 1.0
-        if lr == 0:
-            return 0.0
-        w = ps.param  # the weight before this step's update
-        rho = min(lr, 1 / math.sqrt(step))
-        # The base multiplies by lr; the relative step replaces it.
-        return max(group["eps"][1], w.norm(2).item() / (w.numel() ** 0.5)) * rho / lr
+        # The base multiplies by lr; the relative step replaces it (ps.param: the weight before this step).
+        return adafactor_step_factor(ps.param, ps.step, lr, group["eps"][1], group["relative_step"])

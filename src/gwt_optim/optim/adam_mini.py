@@ -27,14 +27,14 @@ its name-based block partition.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import transform_defaults
+from gwt_optim.optim._family import check_adam_hyperparameters, transform_defaults
+from gwt_optim.optim.functional import BLOCKS, adam_mini_moments, adam_step_factor
 
 __all__ = ["GWTAdamMini", "adam_mini_block", "adam_mini_param_groups", "BLOCKS"]
 
@@ -64,56 +64,6 @@ def adam_mini_block(name: str) -> str:
         if any(f in name for f in fragments):
             return kind
     return "tensor"
-
-
-def _rows(x: Tensor) -> Tensor:
-    """``x`` as (rows, entries-per-row): rows are the leading dims."""
-    return x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
-
-
-# Per-block mean of A^2 and its expansion back over A's shape, per block kind.
-# "head" groups ``head_dim`` consecutive rows, as adam-mini's view(-1, dim*dim/n_heads)
-# does for a (n_heads * head_dim, dim) projection.
-def _mean_neuron(sq: Tensor, group: dict) -> Tensor:
-    return _rows(sq).mean(-1, keepdim=True)
-
-
-def _mean_head(sq: Tensor, group: dict) -> Tensor:
-    rows = _rows(sq)
-    return rows.reshape(-1, group["head_dim"] * rows.shape[-1]).mean(-1, keepdim=True)
-
-
-def _mean_tensor(sq: Tensor, group: dict) -> Tensor:
-    return sq.mean()
-
-
-def _mean_element(sq: Tensor, group: dict) -> Tensor:
-    return sq
-
-
-def _expand_neuron(den: Tensor, A: Tensor, group: dict) -> Tensor:
-    return den.reshape(*A.shape[:-1], 1).expand_as(A) if A.ndim >= 2 else den.reshape(1).expand_as(A)
-
-
-def _expand_head(den: Tensor, A: Tensor, group: dict) -> Tensor:
-    per_row = den.repeat_interleave(group["head_dim"], dim=0)
-    return _expand_neuron(per_row, A, group)
-
-
-def _expand_tensor(den: Tensor, A: Tensor, group: dict) -> Tensor:
-    return den.expand_as(A)
-
-
-def _expand_element(den: Tensor, A: Tensor, group: dict) -> Tensor:
-    return den
-
-
-BLOCKS: dict[str, tuple[Callable[[Tensor, dict], Tensor], Callable[[Tensor, Tensor, dict], Tensor]]] = {
-    "element": (_mean_element, _expand_element),
-    "head": (_mean_head, _expand_head),
-    "neuron": (_mean_neuron, _expand_neuron),
-    "tensor": (_mean_tensor, _expand_tensor),
-}
 
 
 class GWTAdamMini(GWTOptimizer):
@@ -178,14 +128,7 @@ class GWTAdamMini(GWTOptimizer):
                 )
 
     def _validate_family(self, g: dict[str, Any]) -> None:
-        betas = g["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2))")
-        for i, b in enumerate(betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
-        if not 0.0 <= g["eps"]:
-            raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")
+        check_adam_hyperparameters(g)
         if g["block"] not in BLOCKS:
             raise ValueError(f"Invalid block: {g['block']!r} (one of {sorted(BLOCKS)})")
         if g["block"] == "head" and not (isinstance(g["head_dim"], int) and g["head_dim"] > 0):
@@ -197,25 +140,16 @@ class GWTAdamMini(GWTOptimizer):
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         mean, _ = BLOCKS[group["block"]]
         state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
-        state["vmean"] = torch.zeros_like(mean(approx, group), dtype=moment_dtype)
+        state["vmean"] = torch.zeros_like(mean(approx, group["head_dim"]), dtype=moment_dtype)
 
     def _approx_update(self, group, state, A, step, transformed):
         beta1, beta2 = group["betas"]
-        mean, expand = BLOCKS[group["block"]]
-        M, v = state["exp_avg"], state["vmean"]
-        # Low-precision moments are updated in the compute dtype and stored once.
-        m = M.to(A.dtype).lerp_(A, 1 - beta1)
-        vm = v.to(A.dtype).mul_(beta2).add_(mean(A * A, group), alpha=1 - beta2)
-        if m is not M:
-            M.copy_(m)
-            v.copy_(vm)
-        den = expand(vm.sqrt().add_(group["eps"] * math.sqrt(1 - beta2**step)), A, group)
-        U = torch.where(den > 0, m / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(m))
-        return U, den
+        return adam_mini_moments(A, state["exp_avg"], state["vmean"], step, beta1, beta2, group["eps"],
+                                 group["block"], group["head_dim"])
 
     def _step_factor(self, ps) -> float:
         beta1, beta2 = ps.group["betas"]
-        return math.sqrt(1 - beta2**ps.step) / (1 - beta1**ps.step)
+        return adam_step_factor(ps.step, beta1, beta2)
 
 
 def adam_mini_param_groups(

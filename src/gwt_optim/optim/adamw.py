@@ -54,8 +54,9 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim import _fused, _quant
-from gwt_optim.optim._base import GWTOptimizer, _safe_div
-from gwt_optim.optim._family import transform_defaults
+from gwt_optim.optim._base import GWTOptimizer
+from gwt_optim.optim._family import check_adam_hyperparameters, transform_defaults
+from gwt_optim.optim.functional import _safe_div, adam_step_factor, adamw_moments
 
 __all__ = ["GWTAdamW"]
 
@@ -142,15 +143,7 @@ class GWTAdamW(GWTOptimizer):
         return backend
 
     def _validate_family(self, g: dict[str, Any]) -> None:
-        betas = g["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2))")
-        for i, b in enumerate(betas):
-            b = b.item() if isinstance(b, Tensor) else b
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
-        if not 0.0 <= g["eps"]:
-            raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")
+        check_adam_hyperparameters(g)
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         if group["moment_dtype"] == "int8":
@@ -167,18 +160,7 @@ class GWTAdamW(GWTOptimizer):
         if "exp_avg_absmax" in state:
             return self._approx_update_int8(group, state, A, step)
         beta1, beta2 = group["betas"]
-        M, V = state["exp_avg"], state["exp_avg_sq"]
-        if M.dtype == A.dtype:
-            M.lerp_(A, 1 - beta1)
-            V.mul_(beta2).addcmul_(A, A, value=1 - beta2)
-            m, v = M, V
-        else:  # low-precision moments: update in the compute dtype, store once
-            m = M.to(A.dtype).lerp_(A, 1 - beta1)
-            v = V.to(A.dtype).mul_(beta2).addcmul_(A, A, value=1 - beta2)
-            M.copy_(m)
-            V.copy_(v)
-        den = v.sqrt().add_(group["eps"] * math.sqrt(1 - beta2**step))
-        return _safe_div(m, den), den
+        return adamw_moments(A, state["exp_avg"], state["exp_avg_sq"], step, beta1, beta2, group["eps"])
 
     def _approx_update_int8(self, group, state, A, step):
         r"""The same update on 8-bit moments, a chunk of rows at a time.
@@ -214,4 +196,4 @@ class GWTAdamW(GWTOptimizer):
 
     def _step_factor(self, ps) -> float:
         beta1, beta2 = ps.group["betas"]
-        return math.sqrt(1 - beta2**ps.step) / (1 - beta1**ps.step)
+        return adam_step_factor(ps.step, beta1, beta2)

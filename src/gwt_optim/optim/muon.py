@@ -42,68 +42,17 @@ measured difference.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import transform_defaults
-from gwt_optim.optim.adamw import GWTAdamW
+from gwt_optim.optim._family import check_adam_hyperparameters, transform_defaults
+from gwt_optim.optim.functional import (_ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adam_step_factor, adamw_moments,
+                                        adjust_lr_ratio, muon_direction, muon_momentum, zeropower_via_newtonschulz)
 
 __all__ = ["GWTMuon", "zeropower_via_newtonschulz", "NS_COEFFICIENTS", "NS_DTYPES", "adjust_lr_ratio"]
-
-# Keller Jordan's quintic coefficients, as in torch.optim.Muon.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-
-def zeropower_via_newtonschulz(
-    X: Tensor,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    steps: int = 5,
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """Approximately orthogonalize a matrix with the quintic Newton--Schulz iteration.
-
-    The operations (and their order) are those of ``torch.optim.Muon``, so with
-    ``dtype=torch.bfloat16`` the result is bit-identical to it; ``dtype``
-    chooses the iteration's precision. Returns a tensor of ``dtype``.
-    """
-    if X.ndim != 2:
-        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(X.shape)}")
-    if steps >= 100:
-        raise ValueError("ns_steps must be < 100")
-    a, b, c = coefficients
-    Y = X.to(dtype)
-    tall = X.size(0) > X.size(1)
-    if tall:  # iterate on the smaller Gram matrix
-        Y = Y.T
-    Y.div_(Y.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        gram = Y @ Y.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        Y = torch.addmm(Y, poly, Y, beta=a)
-    return Y.T if tall else Y
-
-
-def _adjust_lr_original(rows: int, cols: int) -> float:
-    return math.sqrt(max(1.0, rows / cols))
-
-
-def _adjust_lr_match_rms_adamw(rows: int, cols: int) -> float:
-    return 0.2 * math.sqrt(max(rows, cols))
-
-
-# torch.optim.Muon's adjust_lr_fn choices (None = "original").
-_ADJUST_LR = {None: _adjust_lr_original, "original": _adjust_lr_original, "match_rms_adamw": _adjust_lr_match_rms_adamw}
-
-
-def adjust_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
-    """Muon's shape-based learning-rate multiplier for a (rows, cols) matrix."""
-    return _ADJUST_LR[adjust_lr_fn](shape[0], shape[1])
 
 
 class GWTMuon(GWTOptimizer):
@@ -205,41 +154,41 @@ class GWTMuon(GWTOptimizer):
                 f"detail_clip={g['detail_clip']!r} does not apply to a use_muon group: its details are raw gradient "
                 "coefficients, not normalized ones (Newton-Schulz normalizes the whole step); leave it None"
             )
-        GWTAdamW._validate_family(self, g)  # the AdamW groups' betas and eps
+        check_adam_hyperparameters(g)  # the AdamW groups' betas and eps
 
-    # Groups with use_muon=False are GWT-AdamW groups: reuse its hooks as they are.
+    # Groups with use_muon=False run GWT-AdamW's rule (gwt_optim.optim.functional), in this family's code.
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
-        if not group["use_muon"]:
-            return GWTAdamW._init_family_state(self, group, state, approx, moment_dtype, transformed)
-        state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        if group["use_muon"]:
+            state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype,
+                                                        memory_format=torch.contiguous_format)
+        else:
+            state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
     def _approx_update(self, group, state, A, step, transformed):
         if not group["use_muon"]:
-            return GWTAdamW._approx_update(self, group, state, A, step, transformed)
-        mu = group["momentum"]
-        B = state["momentum_buffer"]
-        b = B.to(A.dtype).lerp_(A, 1 - mu)
-        if b is not B:  # low-precision buffer: update in the compute dtype, store once
-            B.copy_(b)
-        return (A.lerp(b, mu) if group["nesterov"] else b), None
+            beta1, beta2 = group["betas"]
+            return adamw_moments(A, state["exp_avg"], state["exp_avg_sq"], step, beta1, beta2, group["eps"])
+        return muon_momentum(A, state["momentum_buffer"], group["momentum"], group["nesterov"]), None
 
     def _limiter_enabled(self, group, transformed) -> bool:
         # Newton-Schulz divides by the norm first, so the limiter would cancel.
         return not group["use_muon"] and super()._limiter_enabled(group, transformed)
 
-    def _postprocess(self, ps, delta):
+    def _direction(self, ps, r):
         group = ps.group
         if not group["use_muon"]:
-            return delta
-        O = zeropower_via_newtonschulz(
-            delta, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]]
+            return super()._direction(ps, r)
+        # alpha once, on the orthogonalized direction (r is 1: no limiter in a Muon group).
+        return muon_direction(
+            ps.grad, ps.A, ps.U, group["scale"], ps.level, ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"], ns_eps=group["ns_eps"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
+            coeffs=ps.coeffs,
         )
-        # alpha given to the base was cancelled by the normalization; apply it here.
-        O = O.to(delta.dtype)
-        return O.mul_(group["scale"]) if ps.transformed and group["scale"] != 1 else O
 
     def _step_factor(self, ps) -> float:
         if not ps.group["use_muon"]:
-            return GWTAdamW._step_factor(self, ps)
+            beta1, beta2 = ps.group["betas"]
+            return adam_step_factor(ps.step, beta1, beta2)
         return adjust_lr_ratio(ps.group["adjust_lr_fn"], ps.param.shape)

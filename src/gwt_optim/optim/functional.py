@@ -1,0 +1,465 @@
+r"""One readable statement of each GWT update: a pure function per tensor.
+
+Like torch's ``_single_tensor_adam`` and Keller Jordan's ``muon_update``, each
+function takes its inputs explicitly -- the weight :math:`W`, its gradient
+:math:`G`, its state tensors (updated in place) and the hyperparameters -- and
+no optimizer object. The notation is the paper's (Wen et al., 2025, Alg. 1;
+``docs/algorithm.md`` states it in full):
+
+1. :math:`[A_l, D_l, \dots, D_1] = \mathrm{DWT}_l(G)` along the last axis;
+2. the family's state on :math:`A_l` only gives the approximation update
+   :math:`U` and the denominator :math:`\mathrm{den}` that normalizes the
+   details (``None``: they are not normalized);
+3. Fira's norm-growth limiter :math:`r = \max(\|U\|_F/(s + 10^{-8}), \gamma)/\gamma`;
+4. :math:`\Delta = \alpha\,\mathrm{IDWT}([U, D_l/\mathrm{den}', \dots, D_1/\mathrm{den}'])/r`,
+   with the normalized details clamped to :math:`[-c, c]` first where
+   ``detail_clip`` is set (``None`` is the paper's update);
+5. :math:`W \leftarrow W(1 - \eta\lambda) - \eta\,c_t\,\Delta` with the
+   family's step factor :math:`c_t`.
+
+:func:`gwt_adamw`, :func:`gwt_muon`, :func:`gwt_adam_mini` and
+:func:`gwt_adafactor` are each family's whole step. They are made of the
+pieces above them, which the optimizers' eager path calls in the same order
+(it splits the step around the limiter, whose norm FSDP2 sums across ranks),
+so the two agree bit for bit; the fused backends (native C, Triton, the
+batched stepper) are tested against the ``gwt_*`` functions.
+
+For Haar (``impl="fast"``) the transform and its inverse run in closed form:
+level :math:`l` mixes only blocks of :math:`2^l` adjacent entries, with
+:math:`A_{l,k} = \sum \mathrm{block}_k / 2^{l/2}` and the details of block
+:math:`k` reconstructing :math:`G_k - \overline{G}_k`. ``impl="reference"``
+runs :func:`~gwt_optim.wavelets.wavedec` and :func:`~gwt_optim.wavelets.waverec`
+literally (any wavelet). Math runs in the compute dtype (at least fp32); a
+non-finite gradient is the caller's concern (the optimizers skip the update
+and only count the step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from gwt_optim import wavelets
+from gwt_optim.optim._stepper import LIMITER_EPS
+
+__all__ = [
+    "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor",
+    "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
+    "adamw_moments", "adam_step_factor", "muon_momentum", "adam_mini_moments", "adafactor_moments",
+    "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
+    "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
+]  # fmt: skip
+
+
+# ------------------------------------------------------ shared pieces --- #
+
+
+def compute_dtype(W: Tensor) -> torch.dtype:
+    """Math runs in at least fp32 whatever the parameter's dtype."""
+    return torch.promote_types(W.dtype, torch.float32)
+
+
+def haar_approx(G: Tensor, level: int) -> Tensor:
+    """A_l of the Haar transform: block sums over 2^l columns, times 2^(-l/2).
+
+    A matrix-vector product with a constant vector: on CPU it runs as one BLAS
+    pass, several times faster than ``sum(-1)`` over a tiny inner dimension.
+    """
+    blocks, _ = wavelets.haar_block_split(G, level)
+    h = torch.full((blocks.shape[-1],), 2.0 ** (-level / 2), dtype=G.dtype, device=G.device)
+    return blocks @ h
+
+
+def transform(G: Tensor, level: int, impl: str = "fast", wavelet: str = wavelets.HAAR):
+    """Step 1: ``(A_l, coeffs)``; ``coeffs`` (all levels) only for the literal transform."""
+    if level == 0:
+        return G, None
+    if impl == "fast" and wavelet == wavelets.HAAR:
+        return haar_approx(G, level), None  # the details stay in G: the inverse is closed-form
+    coeffs = wavelets.wavedec(G, level, wavelet, dim=-1)
+    return coeffs.approx, coeffs
+
+
+def limiter_ratio(norm_sq: Tensor | float, s: Tensor, step: int, gamma: float) -> Tensor | float:
+    """Step 3, Fira's norm-growth limiter: r from ||U||_F^2, and s <- ||U||_F / r.
+
+    No norm recorded yet (the first step, or only skipped non-finite ones so
+    far): record this one rather than limit against zero. ``norm_sq`` may be
+    a float (a fused CPU kernel's): then the math is scalar.
+    """
+    if not isinstance(norm_sq, Tensor):
+        norm = math.sqrt(norm_sq)
+        s_ = s.item()
+        r_ = 1.0 if step == 1 or not s_ > 0 else max(norm / (s_ + LIMITER_EPS), gamma) / gamma
+        s.fill_(norm / r_)
+        return r_
+    norm = norm_sq.sqrt()
+    if step == 1:
+        r = torch.ones((), dtype=norm.dtype, device=norm.device)
+    else:
+        limited = torch.clamp(norm / (s + LIMITER_EPS), min=gamma) / gamma
+        r = torch.where(s > 0, limited, torch.ones_like(limited))
+    s.copy_(norm / r)
+    return r
+
+
+def direction(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, r: Tensor | float, alpha: float, level: int,
+              clip: float | None = None, coeffs: wavelets.Coefficients | None = None) -> Tensor:
+    """Step 4: Delta = alpha * IDWT([U, D_l/den', ..., D_1/den']) / r, full size.
+
+    ``coeffs`` from :func:`transform` selects the literal inverse; otherwise
+    the Haar closed form over ``G``. ``den=None`` leaves the details raw.
+    """
+    if coeffs is not None:
+        return _reference_inverse(coeffs, U, den, r, clip) * alpha
+    coef = alpha / r if isinstance(r, float) else (alpha / r).to(U.dtype)
+    if level == 0:
+        return U * coef
+    return _haar_delta(G, A, U, den, coef, level, clip)
+
+
+def apply_update(W: Tensor, delta: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
+    """Step 5: W <- W (1 - lr wd) - step_size * Delta; bf16/fp16 weights update in fp32 and round once."""
+    if W.dtype == delta.dtype:
+        if weight_decay != 0:
+            W.mul_(1 - lr * weight_decay)
+        W.add_(delta, alpha=-step_size)
+    else:
+        w32 = W.to(delta.dtype)
+        if weight_decay != 0:
+            w32.mul_(1 - lr * weight_decay)
+        w32.add_(delta, alpha=-step_size)
+        W.copy_(w32)
+
+
+def _safe_div(x: Tensor, den: Tensor) -> Tensor:
+    """``x / den`` with entries over ``den == 0`` set to 0 (eps = 0 and V = 0)."""
+    return torch.where(den > 0, x / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(x))
+
+
+def _haar_delta(
+    G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int, clip: float | None = None
+) -> Tensor:
+    """Closed form of ``coef * inverse([U, D_l/den', ..., D_1/den'])`` for Haar.
+
+    On block k the inverse of the details alone is ``G_k - mean(G_k)`` and
+    ``mean(G_k) = A_k 2^(-l/2)``, so with ``q = coef/den`` the whole direction is
+    ``G_k q_k + c_k`` where ``c_k = 2^(-l/2) (coef U_k - A_k q_k)``: one
+    ``addcmul`` pass over G with per-block scalars.
+
+    With ``clip`` the normalized detail ``(G_k - mean(G_k))/den_k`` is clamped
+    to ``[-clip, clip]`` elementwise before ``coef`` scales it.
+    """
+    blocks, n = wavelets.haar_block_split(G, level)
+    h = 2.0 ** (-level / 2)
+    if den is None:
+        d = torch.ones_like(A)
+    else:
+        d = torch.where(den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    if clip is None:
+        q = d.mul_(coef)
+        c = (U * coef).sub_(A * q).mul_(h)
+        delta = torch.addcmul(c.unsqueeze(-1), blocks, q.unsqueeze(-1)).flatten(-2)
+    else:
+        detail = (blocks - (A * h).unsqueeze(-1)).mul_(d.unsqueeze(-1)).clamp_(-clip, clip)
+        delta = detail.add_((U * h).unsqueeze(-1)).mul_(coef).flatten(-2)
+    return delta[..., :n] if delta.shape[-1] != n else delta
+
+
+def _repeat_to(den: Tensor, repeats: int, length: int) -> Tensor:
+    """den' of the paper: each entry repeated over the details under it."""
+    out = den.repeat_interleave(repeats, dim=-1)
+    if out.shape[-1] < length:  # longer filters (db2, ...) can exceed it by a few
+        out = torch.nn.functional.pad(out, (0, length - out.shape[-1]), mode="replicate")
+    return out[..., :length]
+
+
+def _reference_inverse(coeffs: wavelets.Coefficients, U: Tensor, den, r, clip: float | None = None) -> Tensor:
+    """The inverse in the paper's notation: normalize each detail level by den'
+    and r, then the inverse transform of [U/r, D~_l, ..., D~_1].
+
+    With ``clip``, the normalized details' own reconstruction (the inverse of
+    [0, D_l/den', ..., D_1/den']) is clamped to ``[-clip, clip]`` before the
+    division by r; by linearity the approximation part is unchanged.
+    """
+    details = []
+    for i, D in enumerate(coeffs.details):  # coarsest first: D_l covers 2^0 per coefficient
+        Dt = D
+        if den is not None:
+            Dt = _safe_div(D, _repeat_to(den, 1 << i, D.shape[-1]))
+        details.append(Dt if clip is not None else Dt / r)
+    if clip is None:
+        return wavelets.waverec(coeffs._replace(approx=U / r, details=tuple(details)))
+    approx_part = wavelets.waverec(coeffs._replace(approx=U, details=tuple(torch.zeros_like(D) for D in details)))
+    detail_part = wavelets.waverec(coeffs._replace(approx=torch.zeros_like(U), details=tuple(details)))
+    return (approx_part + detail_part.clamp(-clip, clip)) / r
+
+
+# ------------------------------------------------------------ GWT-AdamW --- #
+
+
+def adamw_moments(A: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, beta1: float, beta2: float,
+                  eps: float) -> tuple[Tensor, Tensor]:
+    """Step 2 of GWT-AdamW: M, V on A_l; den = sqrt(V) + eps sqrt(1 - beta2^t) (torch's eps); U = M / den."""
+    M, V = exp_avg, exp_avg_sq
+    if M.dtype == A.dtype:
+        M.lerp_(A, 1 - beta1)
+        V.mul_(beta2).addcmul_(A, A, value=1 - beta2)
+        m, v = M, V
+    else:  # low-precision moments: update in the compute dtype, store once
+        m = M.to(A.dtype).lerp_(A, 1 - beta1)
+        v = V.to(A.dtype).mul_(beta2).addcmul_(A, A, value=1 - beta2)
+        M.copy_(m)
+        V.copy_(v)
+    den = v.sqrt().add_(eps * math.sqrt(1 - beta2**step))
+    return _safe_div(m, den), den
+
+
+def adam_step_factor(step: int, beta1: float, beta2: float) -> float:
+    """c_t of Adam: the bias corrections, sqrt(1 - beta2^t) / (1 - beta1^t)."""
+    return math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter_norm: Tensor | None, *,
+              step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
+              alpha: float, gamma: float | None, detail_clip: float | None, impl: str = "fast",
+              wavelet: str = wavelets.HAAR) -> None:
+    """One GWT-AdamW step of W (``step`` = t, counted from 1), in place.
+
+    ``exp_avg``/``exp_avg_sq`` are shaped like A_l (fp32 or lower), and
+    ``limiter_norm`` is s, a 0-d tensor (zero before the first step; None
+    with ``gamma=None``). A W with fewer than two dimensions takes plain
+    AdamW: level 0, alpha 1, no limiter.
+    """
+    if W.ndim < 2:
+        level, alpha, gamma, detail_clip = 0, 1.0, None, None
+    G = G.to(compute_dtype(W))
+    A, coeffs = transform(G, level, impl, wavelet)
+    U, den = adamw_moments(A, exp_avg, exp_avg_sq, step, beta1, beta2, eps)
+    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
+
+
+# ------------------------------------------------------------- GWT-Muon --- #
+
+# Keller Jordan's quintic coefficients, as in torch.optim.Muon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def zeropower_via_newtonschulz(
+    X: Tensor,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Approximately orthogonalize a matrix with the quintic Newton--Schulz iteration.
+
+    The operations (and their order) are those of ``torch.optim.Muon``, so with
+    ``dtype=torch.bfloat16`` the result is bit-identical to it; ``dtype``
+    chooses the iteration's precision. Returns a tensor of ``dtype``.
+    """
+    if X.ndim != 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(X.shape)}")
+    if steps >= 100:
+        raise ValueError("ns_steps must be < 100")
+    a, b, c = coefficients
+    Y = X.to(dtype)
+    tall = X.size(0) > X.size(1)
+    if tall:  # iterate on the smaller Gram matrix
+        Y = Y.T
+    Y.div_(Y.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = Y @ Y.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        Y = torch.addmm(Y, poly, Y, beta=a)
+    return Y.T if tall else Y
+
+
+# torch.optim.Muon's adjust_lr_fn choices (None = "original").
+_ADJUST_LR: dict[str | None, Callable[[int, int], float]] = {
+    None: lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+    "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
+    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+}
+
+
+def adjust_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
+    """Muon's shape-based learning-rate multiplier for a (rows, cols) matrix."""
+    return _ADJUST_LR[adjust_lr_fn](shape[0], shape[1])
+
+
+def muon_momentum(A: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Step 2 of GWT-Muon: B <- mu B + (1 - mu) A_l; returns B~ (Nesterov: (1 - mu) A_l + mu B)."""
+    B = momentum_buffer
+    b = B.to(A.dtype).lerp_(A, 1 - momentum)
+    if b is not B:  # low-precision buffer: update in the compute dtype, store once
+        B.copy_(b)
+    return A.lerp(b, momentum) if nesterov else b
+
+
+def muon_direction(G: Tensor, A: Tensor, B: Tensor, alpha: float, level: int, *, ns_coefficients, ns_steps: int,
+                   ns_eps: float, ns_dtype: torch.dtype, coeffs: wavelets.Coefficients | None = None) -> Tensor:
+    """Delta = alpha * NS(IDWT([B~, D_l, ..., D_1])): the raw details, no limiter, alpha once.
+
+    Newton-Schulz first divides X by its norm, so any scale of X (a limiter's
+    r, or alpha) would cancel: alpha multiplies the orthogonalized direction.
+    """
+    X = direction(G, A, B, None, 1.0, 1.0, level, None, coeffs)
+    O = zeropower_via_newtonschulz(X, ns_coefficients, ns_steps, ns_eps, ns_dtype).to(X.dtype)
+    return O.mul_(alpha) if alpha != 1 else O
+
+
+def gwt_muon(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float, nesterov: bool,
+             weight_decay: float, level: int, alpha: float, ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5,
+             ns_eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16, adjust_lr_fn: str | None = None,
+             impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
+    """One GWT-Muon step of a matrix W, in place; ``momentum_buffer`` is shaped like A_l.
+
+    At level 0 with alpha 1 this is ``torch.optim.Muon``'s step.
+    """
+    G = G.to(compute_dtype(W))
+    A, coeffs = transform(G, level, impl, wavelet)
+    B = muon_momentum(A, momentum_buffer, momentum, nesterov)
+    delta = muon_direction(G, A, B, alpha, level, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
+                           ns_eps=ns_eps, ns_dtype=ns_dtype, coeffs=coeffs)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adjust_lr_ratio(adjust_lr_fn, W.shape))
+
+
+# -------------------------------------------------------- GWT-Adam-mini --- #
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as (rows, entries-per-row): rows are the leading dims."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
+
+
+# Per-block mean of A^2, and its expansion back over A's shape, per block kind.
+# "head" groups ``head_dim`` consecutive rows, as adam-mini's view(-1, dim*dim/n_heads)
+# does for a (n_heads * head_dim, dim) projection.
+def _expand_neuron(den: Tensor, A: Tensor, head_dim: int | None) -> Tensor:
+    return den.reshape(*A.shape[:-1], 1).expand_as(A) if A.ndim >= 2 else den.reshape(1).expand_as(A)
+
+
+BLOCKS: dict[str, tuple[Callable[[Tensor, int | None], Tensor], Callable[[Tensor, Tensor, int | None], Tensor]]] = {
+    "element": (lambda sq, hd: sq, lambda den, A, hd: den),
+    "head": (lambda sq, hd: _rows(sq).reshape(-1, hd * _rows(sq).shape[-1]).mean(-1, keepdim=True),
+             lambda den, A, hd: _expand_neuron(den.repeat_interleave(hd, dim=0), A, hd)),
+    "neuron": (lambda sq, hd: _rows(sq).mean(-1, keepdim=True), _expand_neuron),
+    "tensor": (lambda sq, hd: sq.mean(), lambda den, A, hd: den.expand_as(A)),
+}
+
+
+def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta1: float, beta2: float, eps: float,
+                      block: str, head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+    """Step 2 of GWT-Adam-mini: M on A_l; one v_b per block b, the block's mean of A_l^2;
+    den_b = sqrt(v_b) + eps sqrt(1 - beta2^t), expanded over the block; U = M / den."""
+    mean, expand = BLOCKS[block]
+    # Low-precision moments are updated in the compute dtype and stored once.
+    m = exp_avg.to(A.dtype).lerp_(A, 1 - beta1)
+    vm = vmean.to(A.dtype).mul_(beta2).add_(mean(A * A, head_dim), alpha=1 - beta2)
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+        vmean.copy_(vm)
+    den = expand(vm.sqrt().add_(eps * math.sqrt(1 - beta2**step)), A, head_dim)
+    return _safe_div(m, den), den
+
+
+def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_norm: Tensor | None, *,
+                  step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
+                  alpha: float, gamma: float | None, block: str, head_dim: int | None = None,
+                  detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
+    """One GWT-Adam-mini step of W, in place: GWT-AdamW's with one second moment per block.
+
+    ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
+    """
+    if W.ndim < 2:
+        level, alpha, gamma, detail_clip = 0, 1.0, None, None
+    G = G.to(compute_dtype(W))
+    A, coeffs = transform(G, level, impl, wavelet)
+    U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim)
+    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
+
+
+# -------------------------------------------------------- GWT-Adafactor --- #
+
+# The details' normalizer from 1/sqrt(V^) and the update-clipping factor c.
+DETAIL_NORMS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "clip": lambda rsqrt_v, clip: rsqrt_v.new_full((), clip).expand_as(rsqrt_v),  # D / c
+    "second_moment": lambda rsqrt_v, clip: rsqrt_v.reciprocal().mul_(clip),  # D / (sqrt(V^)' c)
+}
+
+
+def adafactor_moments(A: Tensor, step: int, *, row_var: Tensor | None = None, col_var: Tensor | None = None,
+                      variance: Tensor | None = None, exp_avg: Tensor | None = None, beta2_decay: float,
+                      eps1: float | None, d: float, beta1: float | None,
+                      detail_norm: str = "clip") -> tuple[Tensor, Tensor]:
+    """Step 2 of GWT-Adafactor: the factored R, C (or, for a vector, V) of A_l^2 with
+    1 - beta2_t = t^tau; U = A_l / sqrt(V^), clipped to RMS d; with beta1, M of U replaces U."""
+    if eps1 is None:
+        eps1 = torch.finfo(A.dtype).eps
+    one_minus_beta2_t = step**beta2_decay
+    if row_var is not None:
+        # (A * A).mean(-1) without materializing A * A
+        r = row_var.to(A.dtype).lerp_(torch.norm(A, dim=-1, keepdim=True).square_().div_(A.size(-1)),
+                                      one_minus_beta2_t)
+        c = col_var.to(A.dtype).lerp_(torch.norm(A, dim=-2, keepdim=True).square_().div_(A.size(-2)),
+                                      one_minus_beta2_t)
+        if r is not row_var:  # low-precision statistics: update in the compute dtype, store once
+            row_var.copy_(r)
+            col_var.copy_(c)
+        var = (r @ c).div_(r.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        v = variance.to(A.dtype).lerp_(A * A, one_minus_beta2_t)
+        if v is not variance:
+            variance.copy_(v)
+        var = v.clone()
+    rsqrt_v = var.clamp_(min=eps1 * eps1).rsqrt_()
+    U = rsqrt_v * A
+    clip = max(1.0, U.norm(2).item() / ((U.numel() ** 0.5) * d))
+    if clip != 1.0:
+        U.div_(clip)
+    if beta1 is not None:
+        m = exp_avg.to(A.dtype).lerp_(U, 1 - beta1)
+        if m is not exp_avg:
+            exp_avg.copy_(m)
+        U = m.clone()
+    return U, DETAIL_NORMS[detail_norm](rsqrt_v, clip)
+
+
+def adafactor_step_factor(W: Tensor, step: int, lr: float, eps2: float, relative_step: bool) -> float:
+    """c_t of Adafactor's relative step, max(eps2, RMS(W)) min(lr, 1/sqrt t) / lr (W before the update)."""
+    if not relative_step:
+        return 1.0
+    if lr == 0:
+        return 0.0
+    rho = min(lr, 1 / math.sqrt(step))
+    return max(eps2, W.norm(2).item() / (W.numel() ** 0.5)) * rho / lr
+
+
+def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor | None = None,
+                  col_var: Tensor | None = None, variance: Tensor | None = None, exp_avg: Tensor | None = None,
+                  limiter_norm: Tensor | None = None, beta2_decay: float = -0.8,
+                  eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
+                  beta1: float | None = None, relative_step: bool = True, detail_norm: str = "clip", level: int,
+                  alpha: float, gamma: float | None = None, detail_clip: float | None = None, impl: str = "fast",
+                  wavelet: str = wavelets.HAAR) -> None:
+    """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
+    matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
+    if W.ndim < 2:
+        level, alpha, gamma, detail_clip = 0, 1.0, None, None
+    G = G.to(compute_dtype(W))
+    A, coeffs = transform(G, level, impl, wavelet)
+    U, den = adafactor_moments(A, step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
+                               beta2_decay=beta2_decay, eps1=eps[0], d=d, beta1=beta1, detail_norm=detail_norm)
+    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
+    c_t = adafactor_step_factor(W, step, lr, eps[1], relative_step)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * c_t)
