@@ -1,15 +1,18 @@
-"""The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the reference
-path: the native C kernels on CPU in float64 (to 1e-12) and float32 (their
+"""The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the update's
+one statement, gwt_optim.optim.functional.gwt_adamw (tests/functional_runs.py
+runs it): the native C kernels on CPU in float64 (to 1e-12) and float32 (their
 SIMD code), the deferred phase 2 that FSDP2 uses, and the ``compile``
 option's fallbacks. The Triton kernels: tests/test_triton.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 
+import functional_runs as runs
 from gwt_optim import GWTAdamW
 from gwt_optim.optim import _fused, _native
 
@@ -70,15 +73,15 @@ def count_fused(monkeypatch):
 )
 @pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
 @pytest.mark.parametrize("clip", [0.5, None])  # the default, and the paper's update
-def test_native_float64_matches_reference(shape, level, gamma, wd, clip, count_fused):
+def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, clip, count_fused):
     _native_or_skip()
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
     kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip)
     native, opt = _run(W0, grads, compile=True, **kw)
-    reference, ref_opt = _run(W0, grads, impl="reference", **kw)
+    reference, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}
     torch.testing.assert_close(native, reference, rtol=1e-12, atol=1e-13)
-    (st,), (ref_st,) = opt.state.values(), ref_opt.state.values()
+    (st,), ref_st = opt.state.values(), run.state
     for key in ("exp_avg", "exp_avg_sq", "limiter_norm"):
         if key in ref_st:
             want = ref_st[key]
@@ -88,7 +91,7 @@ def test_native_float64_matches_reference(shape, level, gamma, wd, clip, count_f
 @pytest.mark.parametrize("level", [1, 2, 3])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two branches of torch's lerp
 @pytest.mark.parametrize("clip", [0.5, None])
-def test_native_float32_simd_matches_float64_reference(level, beta1, clip, count_fused):
+def test_native_float32_simd_matches_the_float64_functional_update(level, beta1, clip, count_fused):
     # Rows of 8 * 37 + 3 blocks: the 8-block SIMD loop, its remainder and a
     # zero-padded tail block. eps = 1 keeps den >= 0.03: a den near 0 would
     # amplify float32 rounding in the details of its block, in every path.
@@ -97,7 +100,7 @@ def test_native_float32_simd_matches_float64_reference(level, beta1, clip, count
     W0, grads = _problem((5, n), 5, torch.float64, seed=level)
     kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level, detail_clip=clip)
     got, _ = _run(W0.float(), [g.float() for g in grads], compile=True, **kw)
-    want, _ = _run(W0.float().double(), [g.float().double() for g in grads], impl="reference", **kw)
+    want, _ = runs.train(runs.AdamW, W0.float().double(), [g.float().double() for g in grads], **kw)
     assert count_fused == {"native": 5}
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
 
@@ -118,7 +121,7 @@ def test_native_uses_all_threads_consistently():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_batched_steps_match_reference(threads, count_fused):
+def test_batched_steps_match_the_functional_update(threads, count_fused):
     # Parameters that need no collective run as one batch: with enough of
     # them, each on its own thread.
     _native_or_skip()
@@ -142,7 +145,7 @@ def test_batched_steps_match_reference(threads, count_fused):
         got = train(compile=True)
     finally:
         torch.set_num_threads(saved)
-    want = train(impl="reference")
+    want, _ = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2)
     assert count_fused == {"native": 3 * len(shapes)}
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
@@ -183,17 +186,18 @@ def test_pipelined_batch_skips_a_nonfinite_parameter_mid_pipeline(threads, clip,
         got, opt = train(compile=True)
     finally:
         torch.set_num_threads(saved)
-    want, ref = train(impl="reference")
+    _, ref, want = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2, detail_clip=clip,
+                              snapshots=True)
     assert count_fused == {"native": 4 * len(shapes)}  # the kernels find the non-finite ones
     for t, (a_step, b_step) in enumerate(zip(got, want)):
         for i, (a, b) in enumerate(zip(a_step, b_step)):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
             if (t, i) in bad:
                 assert torch.equal(a, got[t - 1][i])
-    assert opt.nonfinite_skips == ref.nonfinite_skips == len(bad)
-    for p, q in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"]):
+    assert opt.nonfinite_skips == sum(run.skips for run in ref) == len(bad)
+    for p, run in zip(opt.param_groups[0]["params"], ref):
         for key in ("exp_avg", "exp_avg_sq", "limiter_norm"):
-            torch.testing.assert_close(opt.state[p][key], ref.state[q][key], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(opt.state[p][key], run.state[key], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("share, pipelined", [(1.0, True), (0.25, False)])
@@ -228,11 +232,11 @@ def _bf16_bits(x):
     [((5, 300), 1), ((3, 2101), 2), ((2, 4100), 3), ((4, 64), 4), ((2, 2, 130), 5), ((2, 4097), 11)],
 )
 @pytest.mark.parametrize("clip", [0.5, None])
-def test_native_bfloat16_matches_eager(shape, level, clip, count_fused):
+def test_native_bfloat16_matches_the_functional_update(shape, level, clip, count_fused):
     # bf16 weights and gradients with fp32 moments: the native kernel reads the
     # gradient as bf16 (no fp32 copy) and rounds the new weight to nearest
-    # even once, as the eager path's w.copy_(w32) does. The fp32 arithmetic
-    # differs from eager's by a rounding here and there (block sums in another
+    # even once, as functional.apply_update's W.copy_(w32) does. The fp32 arithmetic
+    # differs from functional's by a rounding here and there (block sums in another
     # order), which after 4 steps moves a few weights by a bf16 ulp or two:
     # 2 of 8194 at level 11 in the paper's update, none elsewhere.
     _native_or_skip()
@@ -240,12 +244,12 @@ def test_native_bfloat16_matches_eager(shape, level, clip, count_fused):
     W0, grads = (W0 * 0.1).bfloat16(), [g.bfloat16() for g in grads]
     kw = dict(lr=1e-2, weight_decay=0.1, level=level, detail_clip=clip)
     got, opt = _run(W0, grads, compile=True, **kw)
-    want, eager = _run(W0, grads, compile=False, **kw)
+    want, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == want.dtype == torch.bfloat16
     ulps = (_bf16_bits(got) - _bf16_bits(want)).abs()
     assert ulps.max().item() <= 2 and (ulps == 0).float().mean().item() >= 0.999
-    (st,), (want_st,) = opt.state.values(), eager.state.values()
+    (st,), want_st = opt.state.values(), run.state
     for key in ("exp_avg", "exp_avg_sq", "limiter_norm"):
         assert st[key].dtype == torch.float32
         torch.testing.assert_close(st[key], want_st[key], rtol=1e-6, atol=1e-6 * want_st[key].abs().max().item())
@@ -271,7 +275,7 @@ def test_native_bfloat16_level0_vectors_beside_matrices(scale, count_fused):
         return [q.detach() for q in params], opt
 
     got, opt = train(compile=True)
-    want, eager = train(compile=False)
+    want, ref = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2, scale=scale)
     assert count_fused == {"native": 4 * len(W0)}
     for a, b in zip(got, want):
         ulps = (_bf16_bits(a) - _bf16_bits(b)).abs()
@@ -279,8 +283,8 @@ def test_native_bfloat16_level0_vectors_beside_matrices(scale, count_fused):
         # of the update moves it by many of its own ulps: compare those by value
         close = torch.isclose(a.float(), b.float(), rtol=0, atol=1e-6)
         assert bool((close | (ulps <= 2)).all()) and (ulps == 0).float().mean().item() >= 0.99
-    for p, q in zip(opt.param_groups[0]["params"], eager.param_groups[0]["params"]):
-        torch.testing.assert_close(opt.state[p]["exp_avg"], eager.state[q]["exp_avg"], rtol=1e-5, atol=1e-7)
+    for p, run in zip(opt.param_groups[0]["params"], ref):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], run.state["exp_avg"], rtol=1e-5, atol=1e-7)
 
 
 def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
@@ -319,7 +323,8 @@ def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch):
         m.load_state_dict(model.state_dict())
         opt = GWTAdamW(m.parameters(), lr=1e-2, level=2, compile=True)
         with monkeypatch.context() as mp:
-            mp.setattr(_fused.NativeBackend, "batched", batched)
+            caps = _fused.NativeBackend.capabilities
+            mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
             if defer:
                 mp.setattr(opt, "_needs_collective", lambda ps: True)
             for _ in range(4):

@@ -1,5 +1,6 @@
 """The Triton GWT-AdamW kernels (gwt_optim.optim._triton) in Triton's
-interpreter on CPU tensors, against the eager and reference paths; and the
+interpreter on CPU tensors, against the update's one statement,
+gwt_optim.optim.functional.gwt_adamw (run by tests/functional_runs.py); and the
 level-0 / 1-D route through ``torch._fused_adamw_`` on CPU.
 
 Triton picks its interpreter when it is *imported* (``TRITON_INTERPRET=1``
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import functional_runs as runs
 from gwt_optim import GWTAdamW
 from gwt_optim.optim import _fused
 
@@ -100,13 +102,17 @@ def _close(got, want, rtol):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
 
 
-def _states_close(opt_a, opt_b, rtol):
-    for sa, sb in zip(opt_a.state.values(), opt_b.state.values()):
-        assert sa.keys() == sb.keys()
-        for key in sb:
-            if key != "step":
-                _close([sa[key].float()], [sb[key].float()], rtol)
-        assert torch.equal(sa["step"], sb["step"])
+def _functional(W0, grads, **kw):
+    """The weights and the runners of gwt_adamw over the same steps (tests/functional_runs.py)."""
+    return runs.train(runs.AdamW, W0, grads, **kw)
+
+
+def _states_match_functional(opt, ran, rtol):
+    for st, run in zip(opt.state.values(), ran):
+        assert st.keys() == {*run.state, "step"}
+        for key, want in run.state.items():
+            _close([st[key].float()], [want.float()], rtol)
+        assert st["step"].item() == run.t
 
 
 # ------------------------------------------------------------ the step --- #
@@ -118,7 +124,7 @@ def _states_close(opt_a, opt_b, rtol):
     [(2, 1.01, 0.1, 1e-3, 4), (1, None, 0.0, 1e-3, 3), (3, 1.01, 0.0, 1e-4, 3), (2, 1.01, 0.1, 1e-3, 1)],
     ids=["l2-limiter-wd", "l1-no-limiter", "l3", "step1"],
 )
-def test_fp32_matches_eager_and_reference(tt, level, gamma, wd, eps, steps):
+def test_fp32_matches_the_functional_update(tt, level, gamma, wd, eps, steps):
     # A near-zero approximation coefficient amplifies fp32 rounding in its
     # block's details by up to 1/(eps sqrt(1 - beta2^t)) (docs/algorithm.md);
     # eps >= 1e-4 keeps that below the tolerance.
@@ -127,35 +133,35 @@ def test_fp32_matches_eager_and_reference(tt, level, gamma, wd, eps, steps):
     lrs = [1e-2 / (t + 1) for t in range(steps)]  # a scheduler: lr is a kernel argument
     opts = []
     got = _train(W0, grads, lrs=lrs, compile="triton", opt_out=opts, **kw)
-    eager = _train(W0, grads, lrs=lrs, compile=False, opt_out=opts, **kw)
-    exact = _train([w.double() for w in W0], [[g.double() for g in gs] for gs in grads], lrs=lrs,
-                   impl="reference", **kw)
+    want, ran = _functional(W0, grads, lrs=lrs, **kw)
+    exact, _ = _functional([w.double() for w in W0], [[g.double() for g in gs] for gs in grads], lrs=lrs,
+                           impl="reference", **kw)
     assert set(opts[0]._kernels._backends) == {"triton"}
     assert tt.launches["phase1"] == tt.launches["limiter"] == tt.launches["phase2"] > 0
     if level == 2:  # h = 1/2: A is exact in both, the rest is the same fp32 arithmetic
-        _close(got, eager, 1e-6)
-        _states_close(opts[0], opts[1], 1e-6)
+        _close(got, want, 1e-6)
+        _states_match_functional(opts[0], ran, 1e-6)
     else:
-        # h = 2^(-l/2) is irrational: the kernels' h * sum(block) and eager's
-        # matrix-vector product round differently. Both must be as close to
-        # the float64 reference as each other.
+        # h = 2^(-l/2) is irrational: the kernels' h * sum(block) and
+        # functional's matrix-vector product round differently. Both must be
+        # as close to the float64 literal transform as each other.
         def err(x):
             return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(x, exact))
 
-        assert err(got) <= 2 * err(eager) + 1e-7
-        _close(got, eager, 2e-5)
+        assert err(got) <= 2 * err(want) + 1e-7
+        _close(got, want, 2e-5)
 
 
 @needs_triton
-def test_detail_clip_matches_eager(tt):
+def test_detail_clip_matches_the_functional_update(tt):
     W0, grads = _problem(shapes=SHAPES[:3], steps=2, seed=3)
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5)
     opts = []
     got = _train(W0, grads, compile="triton", opt_out=opts, **kw)
-    eager = _train(W0, grads, compile=False, **kw)
+    want, _ = _functional(W0, grads, **kw)
     unclipped = _train(W0, grads, compile="triton", **{**kw, "detail_clip": None})
     assert set(opts[0]._kernels._backends) == {"triton"}
-    _close(got, eager, 1e-6)
+    _close(got, want, 1e-6)
     assert any(not torch.allclose(a, b) for a, b in zip(got, unclipped))  # the clip did act
 
 
@@ -177,21 +183,21 @@ def test_level0_is_torch_adamw(tt):
 
 @needs_triton
 @pytest.mark.parametrize("moment_dtype", [None, "bfloat16"])
-def test_bf16_weights_are_bit_exact_against_eager(tt, moment_dtype):
+def test_bf16_weights_are_bit_exact_against_the_functional_update(tt, moment_dtype):
     """bf16 weights and gradients (fp32 or bf16 moments) round to nearest even
-    as the eager path's ``copy_`` does. At level 2 the block sums of bf16
-    values and h = 1/2 are exact in fp32, and the weight update keeps the
-    eager operation order, so the weights agree bit for bit. (fp32 moments
-    may differ in their last bit: torch's CPU lerp uses an FMA.)"""
+    as functional.apply_update's ``copy_`` does. At level 2 the block sums of
+    bf16 values and h = 1/2 are exact in fp32, and the weight update keeps
+    functional's operation order, so the weights agree bit for bit. (fp32
+    moments may differ in their last bit: torch's CPU lerp uses an FMA.)"""
     W0, grads = _problem(shapes=[(8, 64), (4, 36), (40,)], steps=3, dtype=torch.bfloat16, seed=5)
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, moment_dtype=moment_dtype)
     opts = []
     got = _train(W0, grads, compile="triton", opt_out=opts, **kw)
-    eager = _train(W0, grads, compile=False, opt_out=opts, **kw)
+    want, ran = _functional(W0, grads, **kw)
     assert set(opts[0]._kernels._backends) == {"triton"}
-    for a, b in zip(got, eager):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-    _states_close(opts[0], opts[1], 1e-6 if moment_dtype is None else 1e-2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+    _states_match_functional(opts[0], ran, 1e-6 if moment_dtype is None else 1e-2)
 
 
 @needs_triton
@@ -242,10 +248,9 @@ def test_nonfinite_gradient_skips_only_that_parameter(tt):
     grads[2][4][5] = -float("inf")  # the 1-D bias: the level-0 bucket
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2)
     opts = []
-    with pytest.warns(RuntimeWarning, match="NaN or an infinity"):
-        eager = _train(W0, grads, compile=False, opt_out=opts, **kw)
+    want, ran = _functional(W0, grads, **kw)
     _train(W0, grads[:2], compile="triton", opt_out=opts, **kw)
-    opt = opts[1]
+    opt = opts[0]
     params = opt.param_groups[0]["params"]
     moved_before = params[1].detach().clone()
     before = {k: v.clone() for k, v in opt.state[params[0]].items()}
@@ -263,8 +268,9 @@ def test_nonfinite_gradient_skips_only_that_parameter(tt):
     for p, g in zip(params, grads[3]):
         p.grad = g.clone()
     opt.step()
-    _close([p.detach() for p in params], eager, 1e-6)
-    _states_close(opt, opts[0], 1e-6)
+    assert sum(run.skips for run in ran) == 3
+    _close([p.detach() for p in params], want, 1e-6)
+    _states_match_functional(opt, ran, 1e-6)
 
 
 @needs_triton
@@ -423,16 +429,15 @@ def test_level0_and_1d_parameters_take_fused_adamw_on_cpu(monkeypatch):
                                                            "norm_growth_limit": None}]
     params = [torch.nn.Parameter(w.clone()) for w in W0]
     opt = GWTAdamW(groups(params), **kw)
-    eager_params = [torch.nn.Parameter(w.clone()) for w in W0]
-    eager = GWTAdamW(groups(eager_params), compile=False, **kw)
     with pytest.warns(RuntimeWarning, match="NaN or an infinity"):
         for gs in grads:
-            for p, q, g in zip(params, eager_params, gs):
-                p.grad, q.grad = g.clone(), g.clone()
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
             opt.step()
-            eager.step()
+    want, ran = _functional(W0[:3], [gs[:3] for gs in grads], level=2, **kw)
+    want_0, ran_0 = _functional(W0[3:], [gs[3:] for gs in grads], level=0, scale=1.0, norm_growth_limit=None, **kw)
     # One call per step for the two biases and the level-0 matrix (two groups,
     # the same hyperparameters); the NaN bias sits out of the step-2 call.
     assert calls == [3, 2, 3]
-    assert opt.nonfinite_skips == eager.nonfinite_skips == 1
-    _close([p.detach() for p in params], [q.detach() for q in eager_params], 1e-6)
+    assert opt.nonfinite_skips == sum(run.skips for run in ran + ran_0) == 1
+    _close([p.detach() for p in params], want + want_0, 1e-6)
