@@ -90,6 +90,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="a contender's matrix-lr grid (defaults: " + "; ".join(
                        f"{k}={v}" for k, v in DEFAULT_GRIDS.items()) + ")")
     g.add_argument("--beta2s", default=DEFAULT_BETA2S, help=f"AdamW's beta2 grid (default {DEFAULT_BETA2S})")
+    g.add_argument("--weight-decays", default="0", metavar="WD,WD,...",
+                   help="decoupled weight decay, tuned by coordinate descent after the lr: the first value is the "
+                        "lr grid's, each other one runs once at the contender's best lr on the tuning seeds, and "
+                        "the contender reports at its best (lr, wd). Every group of a run gets it, as "
+                        "--weight-decay does (default 0: no weight-decay axis)")
     g.add_argument("--beta2", type=float,
                    help="beta2 of every contender but AdamW, fixed now (default: AdamW's best, so they wait for it)")
     g.add_argument("--tune-steps", type=int, help="steps of a tuning run (default: the budget's)")
@@ -138,6 +143,33 @@ def with_beta2(label: str, beta2: float) -> str:
     name, opts = P.parse_spec(label)
     opts.setdefault("beta2", f"{beta2:g}")
     return P.format_spec(name, opts)
+
+
+def with_weight_decay(label: str, wd: float | None) -> str:
+    """``label`` at decoupled weight decay ``wd`` (a spec option, so every group of the run gets it); ``None``
+    leaves the spec as it is, so the runs of the lr grid keep the folders they had before the axis existed."""
+    if wd is None:
+        return label
+    name, opts = P.parse_spec(label)
+    opts.setdefault("weight_decay", P.fmt_lr(wd))
+    return P.format_spec(name, opts)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (df > 30: the normal's).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t_interval(xs: Sequence[float]) -> dict[str, Any]:
+    """Mean and the half-width of its 95% t-interval over ``xs`` (finite values only; no interval below n=2)."""
+    xs = [x for x in xs if P.finite(x)]
+    m, sd = P.mean_std(xs)
+    n = len(xs)
+    if n < 2:
+        return {"mean": m, "half": None, "n": n}
+    df = n - 1
+    q = _T975.get(df) or (_T975[max(k for k in _T975 if k <= df)] if df <= 30 else 1.96)
+    return {"mean": m, "half": q * sd / n ** 0.5, "n": n}
 
 
 def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:
@@ -207,6 +239,23 @@ class Budget:
                 for b2 in beta2s for lr in lrs for s in seeds}
         return {k: self.tuner.submit(j) for k, j in jobs.items()}
 
+    def tune_weight_decay(self, label: str, t: dict[str, Any], wds: list[float], seeds: list[int]) -> dict:
+        """The weight-decay coordinate at ``t``'s best (lr, beta2): ``wds[0]`` is the lr grid's own value,
+        each other value one run per tuning seed. Returns the grid and the best value (ties: the grid's)."""
+        lr, b2 = t["best_lr"], t["best_beta2"]
+        grid: dict[str, float | None] = {P.fmt_lr(wds[0]): t["best_tune_loss"]}
+        status: dict[str, list[str]] = {}
+        futs = {(wd, s): self.tuner.submit(P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd),
+                                                                   lr), lr, s))
+                for wd in wds[1:] for s in seeds}
+        for wd in wds[1:]:
+            res = [futs[(wd, s)].result() for s in seeds]
+            grid[P.fmt_lr(wd)] = P.mean_std([r["val_loss"] for r in res])[0]
+            status[P.fmt_lr(wd)] = [r["status"] for r in res]
+        ok = [(m, i) for i, m in enumerate(grid.values()) if m is not None]
+        best = wds[min(ok)[1]] if ok else wds[0]
+        return {"wd_grid": grid, "wd_status": status, "best_wd": best}
+
     def tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
              futs: dict | None = None) -> dict[str, Any]:
         futs = futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds)
@@ -223,8 +272,8 @@ class Budget:
                 "best_tune_loss": best[0] if best else None,
                 "edge": bool(best) and len(lrs) > 1 and best[1] in (lrs[0], lrs[-1])}
 
-    def report(self, label: str, lr: float, beta2: float, seeds: list[int]) -> dict[str, Any]:
-        jobs = {s: P.Job(self.T, self.spec(with_beta2(label, beta2), lr), lr, s) for s in seeds}
+    def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None) -> dict[str, Any]:
+        jobs = {s: P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, beta2), wd), lr), lr, s) for s in seeds}
         futs = {s: self.reporter.submit(j) for s, j in jobs.items()}
         runs = []
         for s, f in futs.items():
@@ -235,7 +284,7 @@ class Budget:
                          "curve": read_curve(self.reporter.run_dir(jobs[s]), self.T)})
         m, sd = P.mean_std([r["val_loss"] for r in runs])
         states = [r["state_bytes"] for r in runs if r.get("state_bytes")]
-        return {"lr": lr, "beta2": beta2, "runs": runs, "mean": m, "std": sd,
+        return {"lr": lr, "beta2": beta2, "weight_decay": wd, "runs": runs, "mean": m, "std": sd,
                 "n": sum(P.finite(r["val_loss"]) for r in runs), "state_bytes": states[0] if states else None}
 
 
@@ -255,6 +304,7 @@ def gate_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
 def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any]:
     grids = grids_of(args)
     beta2s = P.floats(args.beta2s)
+    wds = weight_decays_of(args.weight_decays, args.weight_decay)
     tune_seeds, report_seeds = P.ints(args.tune_seeds), P.ints(args.report_seeds)
     P.split_seeds(tune_seeds, report_seeds)
     gate_seeds = gate_seeds_of(args.gate_seeds, report_seeds)
@@ -262,17 +312,27 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
     out: dict[str, Any] = {"steps": b.steps, "tune_steps": b.tune_steps, "tokens_per_step": b.T,
                            "budget_tokens": b.steps * b.T, "regular_lr": b.R, "tune_seeds": tune_seeds,
                            "report_seeds": report_seeds, "grids": {c: g for c, g in grids.items()},
+                           "weight_decays": wds,
                            "contenders": {}}
 
     with abort_on_signals([b.tuner, b.reporter], "stopping the runs in flight (they resume with --resume)"):
-        _stages(args, b, out, grids, beta2s, tune_seeds, report_seeds, gate_seeds)
+        _stages(args, b, out, grids, beta2s, wds, tune_seeds, report_seeds, gate_seeds)
     analyse(out, args.gate_nats)
     out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
     return out
 
 
+def weight_decays_of(text: str, base: float = 0.0) -> list[float]:
+    """``--weight-decays``: distinct values >= 0, the first of which is ``--weight-decay`` (the lr grid's)."""
+    wds = P.floats(text)
+    if not wds or any(not P.finite(w) or w < 0 for w in wds) or len(set(wds)) != len(wds) or wds[0] != base:
+        raise ValueError(f"--weight-decays {text!r}: distinct values >= 0, the first being --weight-decay "
+                         f"({base:g}), at which the lr grid runs (e.g. {base:g},0.1)")
+    return wds
+
+
 def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]], beta2s: list[float],
-            tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int]) -> None:
+            wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
     try:
         others = [c for c in grids if c != P.BASELINE]
@@ -292,18 +352,34 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
         out["beta2"] = beta2
         out["adamw_best_beta2"] = base_t["best_beta2"]
 
-        def contender(label: str) -> dict[str, Any]:
+        # The lr grid runs at --weight-decay (wds[0]); a spec names its weight decay only off that value, so
+        # the lr grid's runs keep their folders whether or not the axis is given.
+        def wd_spec(wd: float) -> float | None:
+            return None if wd == wds[0] else wd
+
+        def tuned(label: str) -> dict[str, Any]:
             t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
                                                           pending.get(label))
+            if t["best_lr"] is None or len(wds) < 2:
+                return {**t, "best_wd": wds[0]}
+            return {**t, **b.tune_weight_decay(label, t, wds, tune_seeds)}
+
+        def contender(label: str, t: dict[str, Any]) -> dict[str, Any]:
             if t["best_lr"] is None or args.tune_only:
                 return {**t, "runs": [], "mean": None, "std": None, "n": 0}
             b2 = t["best_beta2"] if label == P.BASELINE else beta2
-            return {**t, **b.report(label, t["best_lr"], b2, report_seeds)}
+            return {**t, **b.report(label, t["best_lr"], b2, report_seeds, wd_spec(t["best_wd"]))}
 
-        with ThreadPoolExecutor(max_workers=len(grids) + 1) as pool:
-            frozen = pool.submit(b.report, P.BASELINE, FROZEN_LR, base_t["best_beta2"] or beta2, gate_seeds) \
-                if gate_seeds and not args.tune_only else None
-            futs = {c: pool.submit(contender, c) for c in grids}
+        with ThreadPoolExecutor(max_workers=2 * len(grids) + 1) as pool:
+            tunes = {c: pool.submit(tuned, c) for c in grids}
+
+            def frozen_run() -> dict[str, Any]:  # at AdamW's own (beta2, wd), so that gate (b) pairs like with like
+                bt = tunes[P.BASELINE].result()
+                return b.report(P.BASELINE, FROZEN_LR, bt["best_beta2"] or beta2, gate_seeds,
+                                wd_spec(bt["best_wd"]))
+
+            frozen = pool.submit(frozen_run) if gate_seeds and not args.tune_only else None
+            futs = {c: pool.submit(lambda c=c: contender(c, tunes[c].result())) for c in grids}
             for c, f in futs.items():
                 out["contenders"][c] = f.result()
             out["frozen"] = frozen.result() if frozen else {}
@@ -323,10 +399,18 @@ def _against(t: dict[str, Any], base: dict[str, Any], budget: int) -> dict[str, 
     """``t`` against ``base``: the paired gap over the seeds both finished, and the tokens ``t``'s
     seed-mean curve needs to reach ``base``'s mean final loss (the speedup is the budget over them)."""
     seeds = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
-    gap = P.paired_gap({r["seed"]: r["val_loss"] for r in t.get("runs", [])}, seeds)
+    mine = {r["seed"]: r for r in t.get("runs", [])}
+    gap = P.paired_gap({s: r["val_loss"] for s, r in mine.items()}, seeds)
+    gap["ci"] = t_interval([mine[s]["val_loss"] - seeds[s] for s in gap["seeds"]])["half"]
     target, curve = base.get("mean"), mean_curve(t.get("runs", []))
     reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
-    return {"gap": gap, "tokens_to_target": reach, "speedup": budget / reach if reach else None}
+    # Per seed: the tokens this seed's curve needs to reach the baseline's final loss on the same seed.
+    per_seed = {s: tokens_to_reach(mine[s].get("curve") or [], seeds[s]) for s in gap["seeds"]}
+    speedups = [budget / x for x in per_seed.values() if x]
+    paired = t_interval(speedups) if speedups and len(speedups) == len(per_seed) else \
+        {"mean": None, "half": None, "n": len(speedups)}
+    return {"gap": gap, "tokens_to_target": reach, "speedup": budget / reach if reach else None,
+            "speedup_paired": {**paired, "reached": len(speedups), "of": len(per_seed)}}
 
 
 def _missing(t: dict[str, Any]) -> bool:
@@ -345,6 +429,7 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
         vs = _against(t, base, budget)
         t["gap"] = vs["gap"] if c != P.BASELINE else None
         t["tokens_to_target"], t["speedup"] = vs["tokens_to_target"], vs["speedup"]
+        t["speedup_paired"] = vs["speedup_paired"] if c != P.BASELINE else None
         # A GWT family is also measured against the optimizer it transforms (GWT-Muon against Muon).
         fb = family_base(c, list(C))
         t["vs_family"] = {"base": fb, **_against(t, C[fb], budget)} if fb and fb != P.BASELINE else None
@@ -364,6 +449,26 @@ def _reach_cells(reach: float | None, speedup: float | None, measured: bool) -> 
     """The tokens-to-target and speedup cells; a measured contender that never got there is "< 1x"."""
     return (f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if measured else "-"),
             f"{speedup:.2f}x" if P.finite(speedup) else ("< 1x" if measured else "-"))
+
+
+def _delta_cell(gap: dict[str, Any]) -> str:
+    """The paired gap as mean ± half-width of its 95% t-interval (± std where n < 2)."""
+    if not P.finite(gap.get("mean")):
+        return "—"
+    if P.finite(gap.get("ci")):
+        return f"{gap['mean']:+.4f} ± {gap['ci']:.4f} (n={gap['n']})"
+    return f"{gap['mean']:+.4f} (n={gap['n']})"
+
+
+def _speedup_cell(sp: dict[str, Any] | None) -> str:
+    """Per-seed speedups (budget over the tokens to the baseline's loss on the same seed): mean ± 95% t."""
+    if not sp or not sp.get("of"):
+        return "-"
+    if sp.get("reached") != sp.get("of"):
+        return f"reached on {sp.get('reached')} of {sp.get('of')} seeds"
+    if P.finite(sp.get("half")):
+        return f"{sp['mean']:.2f}× ± {sp['half']:.2f}"
+    return f"{sp['mean']:.2f}×"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -396,34 +501,40 @@ def render(report: dict[str, Any]) -> str:
                 best = lr == t.get("best_lr") and float(b2) == t.get("best_beta2")
                 cells.append(P._bold(f(v), best) if P.finite(v) else (st[0] if st else "-"))
             lines.append(f"| beta2 {b2} | " + " | ".join(cells) + " |")
+        if len(t.get("wd_grid") or {}) > 1:
+            wd_cells = [P._bold(f(v), float(k) == t.get("best_wd")) if P.finite(v) else "-"
+                        for k, v in t["wd_grid"].items()]
+            lines += ["", f"weight decay at lr {P.fmt_lr(t['best_lr'])}: " + ", ".join(
+                f"{k}: {c}" for k, c in zip(t["wd_grid"], wd_cells))]
         lines.append("")
     lines += ["## At the budget (reporting seeds)", "",
-              "| optimizer | matrix lr | val loss (mean ± std) | Δ vs AdamW (paired) | tokens to AdamW's loss (seed mean) | "
-              "speedup | state MiB | per seed |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+              "| optimizer | matrix lr | weight decay | val loss (mean ± std) | Δ vs AdamW (paired, ± 95% t) | "
+              "tokens to AdamW's loss (seed mean) | speedup (seed mean) | speedup per seed (± 95% t) | state MiB | "
+              "per seed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     target_mean = C.get(P.BASELINE, {}).get("mean")
     for c, t in C.items():
         runs = t.get("runs", [])
         loss = f"{t['mean']:.4f} ± {t['std']:.4f}" if P.finite(t.get("mean")) else "not run"
         if P.finite(t.get("mean")) and t.get("n") != len(runs):
             loss += f" (n={t['n']})"
-        gap = t.get("gap") or {}
-        delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
+        delta = _delta_cell(t.get("gap") or {})
         reach = t.get("tokens_to_target")
         reach_s, speed = _reach_cells(reach, t.get("speedup"), t.get("n", 0) > 0 and P.finite(target_mean))
         state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
         per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
-        lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {loss} | {delta} | {reach_s} | {speed} | {state} | "
-                     f"{per_seed} |")
+        wd = t.get("best_wd", s.get("weight_decay"))
+        lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {f(wd, '{:g}')} | {loss} | {delta} | {reach_s} | "
+                     f"{speed} | {_speedup_cell(t.get('speedup_paired'))} | {state} | {per_seed} |")
     pairs = [(c, t["vs_family"]) for c, t in C.items() if t.get("vs_family")]
     if pairs:
         lines += ["", "## Each GWT family against the optimizer it transforms (reporting seeds)", "",
-                  "| optimizer | against | Δ (paired) | tokens to its loss (seed mean) | speedup |",
-                  "|---|---|---:|---:|---:|"]
+                  "| optimizer | against | Δ (paired, ± 95% t) | tokens to its loss (seed mean) | speedup | "
+                  "speedup per seed (± 95% t) |", "|---|---|---:|---:|---:|---:|"]
         for c, v in pairs:
             gap, reach, speedup = v["gap"], v["tokens_to_target"], v["speedup"]
-            delta = f"{gap['mean']:+.4f} ± {gap['std']:.4f}" if P.finite(gap.get("mean")) else "—"
             reach_s, speed = _reach_cells(reach, speedup, bool(C[c].get("n")) and P.finite(C[v["base"]].get("mean")))
-            lines.append(f"| {c} | {v['base']} | {delta} | {reach_s} | {speed} |")
+            lines.append(f"| {c} | {v['base']} | {_delta_cell(gap)} | {reach_s} | {speed} | "
+                         f"{_speedup_cell(v.get('speedup_paired'))} |")
     g = B.get("gates", {})
     ga, gb = g.get("a", {}), g.get("b", {})
     lines += ["", "## Sanity gates", "",
@@ -557,6 +668,7 @@ def main(argv: list[str] | None, description: str) -> int:
         parse_tokens(args.budget)
         grids_of(args)
         gate_seeds_of(args.gate_seeds, P.ints(args.report_seeds))
+        weight_decays_of(args.weight_decays, args.weight_decay)
         base = TrainConfig.from_dict({
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,

@@ -208,7 +208,25 @@ def test_each_gwt_family_is_also_measured_against_the_optimizer_it_transforms():
     text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
                                         "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
     row = next(line for line in text.splitlines() if line.startswith("| gwt-adafactor:level=2 | adafactor |"))
-    assert "-0.1500 ± 0.0707" in row and f"{v['speedup']:.2f}x" in row
+    # Paired differences -0.1 and -0.2: std 0.0707, and with one degree of freedom a 95% t of 12.706.
+    assert "-0.1500 ± 0.6353 (n=2)" in row and f"{v['speedup']:.2f}x" in row
+    # Per seed, each curve against Adafactor's loss on the same seed: 2000/1800 and 2000/1500.
+    sp = v["speedup_paired"]
+    assert sp["reached"] == sp["of"] == 2 and sp["mean"] == pytest.approx((2000 / 1800 + 2000 / 1500) / 2)
+    assert f"{sp['mean']:.2f}× ± {sp['half']:.2f}" in row
+
+
+def test_t_interval_and_the_weight_decay_axis():
+    assert B.t_interval([1.0, 2.0, 3.0, 4.0]) == pytest.approx({"mean": 2.5, "half": 3.182 * 1.2910 / 2, "n": 4},
+                                                               rel=1e-4)
+    assert B.t_interval([0.5])["half"] is None and B.t_interval([])["mean"] is None
+    assert B.t_interval([0.0] * 41)["half"] == 0.0  # past the table: the normal quantile
+    assert B.with_weight_decay("adamw:beta2=0.999", 0.1) == "adamw:beta2=0.999:weight_decay=0.1"
+    assert B.with_weight_decay("gwt-adamw:level=2", None) == "gwt-adamw:level=2"  # the lr grid keeps its folders
+    assert B.weight_decays_of("0,0.1") == [0.0, 0.1] and B.weight_decays_of("0.1,0", 0.1) == [0.1, 0.0]
+    for bad, base in (("0,0", 0.0), ("0.1,0", 0.0), ("0,-1", 0.0), ("", 0.0)):
+        with pytest.raises(ValueError, match="--weight-decays"):
+            B.weight_decays_of(bad, base)
 
 
 _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 0, "min_lr_ratio": 0.1,
@@ -245,14 +263,20 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
-    # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet
+    # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet.
+    # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1.
     tuned = tmp_path / "tuned"
-    only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only"], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only", "--weight-decays", "0,0.1"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert only.returncode == 1, only.stdout[-2000:] + only.stderr[-2000:]  # 1: the budget is not done
-    assert not (tuned / "report").exists() and "'ran': 3" in only.stdout
+    assert not (tuned / "report").exists() and "'ran': 5" in only.stdout
     md = (tuned / "budget.md").read_text()
     assert "not run yet" in md and "not reached" not in md and "< 1x" not in md
+    assert md.count("weight decay at lr") == 2
+    decayed = [p for p in (tuned / "tune").rglob("*weight-decay0.1*") if p.is_dir() and p.parent.name == "seed0"]
+    assert len(decayed) == 2
+    T = json.loads((tuned / "budget.json").read_text())["budget"]["contenders"]
+    assert all(set(t["wd_grid"]) == {"0", "0.1"} and t["best_wd"] in (0.0, 0.1) for t in T.values())
 
 
 def test_pysrc_small_is_its_own_corpus_of_a_pinned_slice(sdists, monkeypatch):
