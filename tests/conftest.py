@@ -6,10 +6,34 @@ to slow down 5-10x with two threads per worker).
 """
 
 import os
+import signal
 
+import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("GWT_TEST_THREADS", "1")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@pytest.fixture
+def terminal_signals():
+    """SIGINT and SIGTERM as at a terminal for the test, restored after it.
+
+    A test that sends a real signal must not depend on what its pytest-xdist
+    worker inherited or what an earlier test in that worker left: a worker
+    started as a background job (``nohup ... &``, some CI runners) ignores
+    SIGINT, and an ignored signal is inherited by every child it starts, where
+    training then honours it (it installs no handler for an ignored signal).
+    Python's own handlers are also what a child started during the test gets:
+    a caught signal goes back to its default across ``exec``, so no
+    ``preexec_fn`` is needed."""
+    previous = {sig: signal.signal(sig, handler)
+                for sig, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(sig, handler)

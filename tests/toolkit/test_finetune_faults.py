@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _waiting import CAP_S, wait_for
 
 pytest.importorskip("transformers")
 
@@ -33,6 +34,9 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "finetune"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 NEVER_ENDS = "1000000"  # steps: a run that only a signal stops
 DIVERGES = "1e4"  # a learning rate whose run diverges (and so ends) within a few steps
+
+# Every test here sends real signals: SIGINT and SIGTERM as at a terminal, whatever this worker inherited.
+pytestmark = pytest.mark.usefixtures("terminal_signals")
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +54,9 @@ def _lm_argv(model: Path, out: Path, lrs: str) -> list[str]:
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as f:  # a file, not a pipe: nothing blocks on a full pipe
-        # SIGINT at its default, whatever this test process inherited (a background job ignores it).
+        # SIGINT at its default through terminal_signals, whatever this worker inherited.
         return subprocess.Popen([sys.executable, "-m", "gwt_optim", *argv], stdout=f, stderr=subprocess.STDOUT,
-                                env=ENV, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                env=ENV)
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -76,7 +80,8 @@ def _alive(pid: int) -> bool:
     return bool(state) and not state.startswith(("Z", "X"))
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
+def _wait_gone(pid: int, timeout: float = CAP_S) -> bool:
+    """Gone, or still there after ``timeout`` (a cap for a hung process, not a deadline)."""
     end = time.monotonic() + timeout
     while _alive(pid) and time.monotonic() < end:
         time.sleep(0.05)
@@ -91,19 +96,24 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _worker(parent: subprocess.Popen, log: Path, timeout: float = 240) -> int:
+def _worker(parent: subprocess.Popen, log: Path) -> int:
     """The pid of ``parent``'s run worker (not multiprocessing's resource tracker) once it is set up: it
     ignores SIGINT, which it does just before it asks Linux for SIGTERM at its parent's death."""
-    end = time.monotonic() + timeout
-    while True:
-        assert parent.poll() is None, f"finetune exited with {parent.returncode}:\n{log.read_text()}"
-        for pid in _children(parent.pid):
-            ignored = int(_status(pid).get("SigIgn", "0"), 16)
-            if "spawn_main" in _cmdline(pid) and ignored & (1 << (signal.SIGINT - 1)):
-                time.sleep(0.2)  # past die_with_parent
-                return pid
-        assert time.monotonic() < end, f"no run worker after {timeout} s:\n{log.read_text()}"
-        time.sleep(0.05)
+    found = []
+
+    def set_up() -> bool:
+        found[:] = [pid for pid in _children(parent.pid) if "spawn_main" in _cmdline(pid)
+                    and int(_status(pid).get("SigIgn", "0"), 16) & (1 << (signal.SIGINT - 1))]
+        return bool(found)
+
+    wait_for(set_up, "run worker", [parent], log, poll_s=0.05)
+    time.sleep(0.2)  # past die_with_parent
+    return found[0]
+
+
+def _stop(parent: subprocess.Popen, log: Path) -> None:
+    """Wait for ``parent`` to exit (it was just signalled)."""
+    wait_for(lambda: parent.poll() is not None, "exit", [], log)
 
 
 def _runs(out: Path) -> list[dict] | None:
@@ -129,11 +139,7 @@ def test_sigterm_ends_the_worker_and_keeps_the_finished_run(tiny_llama, tmp_path
     parent = _start(argv, log)
     helpers: list[int] = []
     try:
-        end = time.monotonic() + 240
-        while not _runs(out):  # results.json with its first run
-            assert parent.poll() is None, log.read_text()
-            assert time.monotonic() < end, log.read_text()
-            time.sleep(0.05)
+        wait_for(lambda: bool(_runs(out)), "results.json with its first run", [parent], log, poll_s=0.05)
         worker = _worker(parent, log)
         helpers = _children(parent.pid)  # the worker and multiprocessing's resource tracker
         assert len(_runs(out)) == 1
@@ -147,14 +153,14 @@ def test_sigterm_ends_the_worker_and_keeps_the_finished_run(tiny_llama, tmp_path
         assert (out / "results.json").read_bytes() == before
 
         os.kill(parent.pid, signal.SIGTERM)
-        parent.wait(timeout=60)
+        _stop(parent, log)
     finally:
         _kill_leftovers([parent.pid, *helpers])
     text = log.read_text()
     assert parent.returncode == 128 + signal.SIGTERM, text
     assert "stopped by SIGTERM" in text and "Traceback" not in text, text
     assert not _alive(worker), "the run worker outlived its stopped parent"
-    assert all(_wait_gone(pid, 10) for pid in helpers), "a child of finetune outlived it"
+    assert all(_wait_gone(pid) for pid in helpers), "a child of finetune outlived it"
     runs = _runs(out)
     assert [(r["method"], r["lr"]) for r in runs] == [("adamw", float(DIVERGES))]
     assert runs[0]["val_ppl"] == math.inf and runs[0]["steps"] < 100
@@ -171,7 +177,7 @@ def test_ctrl_c_ends_the_worker_of_the_run_in_flight(tiny_llama, tmp_path):
     try:
         worker = _worker(parent, log)
         os.kill(parent.pid, signal.SIGINT)  # to the parent alone: the worker learns it from the parent
-        parent.wait(timeout=60)
+        _stop(parent, log)
     finally:
         _kill_leftovers([parent.pid] + ([worker] if worker else []))
     text = log.read_text()
@@ -190,8 +196,8 @@ def test_a_killed_finetune_takes_its_worker_with_it(tiny_llama, tmp_path):
     try:
         worker = _worker(parent, log)
         os.kill(parent.pid, signal.SIGKILL)  # no handler runs: Linux tells the worker (PR_SET_PDEATHSIG)
-        parent.wait(timeout=30)
-        assert _wait_gone(worker, 30), "the run worker outlived its killed parent"
+        _stop(parent, log)
+        assert _wait_gone(worker), "the run worker outlived its killed parent"
     finally:
         _kill_leftovers([parent.pid] + ([worker] if worker else []))
 
@@ -257,13 +263,9 @@ def test_a_stopped_finetune_glue_keeps_its_finished_runs_and_resume_goes_on(tmp_
     out.mkdir()
     (out / "results.md").write_text("an earlier command's report\n")
     settings = glue.GlueSettings(model=str(tmp_path), data_dir=str(DATA / "glue"), isolate=False, progress=False)
-    # A terminal's Ctrl-C: pytest-xdist workers ignore SIGINT, so give this process Python's own handler back.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], settings, out)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    # A terminal's Ctrl-C: Python's own handler, from terminal_signals.
+    with pytest.raises(KeyboardInterrupt):
+        glue.run_glue(["rte"], ["adamw", "gwt-adamw:level=2"], settings, out)
     assert calls == ["adamw", "gwt-adamw:level=2"]
     saved = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in saved["runs"]] == ["adamw"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _waiting import finish, run, wait_for
 
 from gwt_optim.cli import main
 from gwt_optim.toolkit import checkpoint as ckpt
@@ -67,6 +68,7 @@ class _SigintAfter(Callback):
             self.timer.join()
 
 
+@pytest.mark.usefixtures("terminal_signals")
 def test_sigint_at_random_moments_then_resume_is_bitwise_exact(tiny_config, tmp_path):
     """17 real SIGINTs; the subprocess test below sends 3 more."""
     rng = random.Random(7)
@@ -117,6 +119,7 @@ class _SigintAtEnd(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.mark.usefixtures("terminal_signals")  # training installs its handler only for a signal not ignored
 def test_a_stop_before_a_validation_makes_it_on_resume(tiny_config, tmp_path, stop_at):
     full = tiny_config(out=str(tmp_path / "full"), steps=8, eval_every=4)
     train(full)
@@ -150,6 +153,7 @@ def _max_step(run: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("terminal_signals")  # a terminal's Ctrl-C reaches the child, not a background job's
 def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model, corpus, tmp_path):
     def argv(out: Path, *extra: str) -> list[str]:
         return [sys.executable, "-m", "gwt_optim", "pretrain", "--model", tiny_model, "--data", corpus,
@@ -162,20 +166,18 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
     # One thread: a tiny model gains nothing from more, and they spin against other work on a busy machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full, part = tmp_path / "full", tmp_path / "part"
-    subprocess.run(argv(full), check=True, capture_output=True, timeout=300, env=env)
+    run(argv(full), env=env)
     rng = random.Random(3)
     interrupts, resume = 0, ()
     while interrupts < 3:
         start = _max_step(part)
-        # A background job (nohup ... &) starts with SIGINT ignored, which the
-        # child would inherit and honour; a terminal's Ctrl-C is what is tested.
         proc = subprocess.Popen(argv(part, *resume), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        while _max_step(part) <= start and proc.poll() is None:  # wait for the loop to run
-            time.sleep(0.005)
+                                env=env)
+        # wait for the loop to run (or for the run to end: reported below)
+        wait_for(lambda: _max_step(part) > start or proc.poll() is not None, "training step", poll_s=0.005)
         time.sleep(rng.uniform(0, 0.015))
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
+        out, err = finish(proc)
         assert "Traceback" not in err, err
         assert proc.returncode in (0, 130), err
         if proc.returncode == 0:
@@ -184,7 +186,7 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
         interrupts += 1
         resume = ("--resume",)
     if proc.returncode == 130:
-        subprocess.run(argv(part, "--resume"), check=True, capture_output=True, timeout=300, env=env)
+        run(argv(part, "--resume"), env=env)
     assert interrupts == 3, "the run finished before the third SIGINT: give it more steps"
     _assert_bitwise_equal(part, full)
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _waiting import CAP_S, finish, wait_for
 
 from gwt_optim.toolkit import runner as R
 
@@ -105,6 +106,7 @@ def test_a_cut_short_run_resumes_from_its_checkpoint(tmp_path):
     assert other.run_job(0)["status"] == "ok" and not _started(run)["resume"]
 
 
+@pytest.mark.usefixtures("terminal_signals")  # abort sends the child a real SIGTERM
 def test_nothing_starts_after_the_deadline_and_abort_stops_a_run_that_saves(tmp_path):
     late = Toy(tmp_path / "late", deadline=0.0, start=time.monotonic() - 1)
     assert late.run_job(0)["status"] == "skipped" and not late.run_dir(0).exists()
@@ -112,13 +114,11 @@ def test_nothing_starts_after_the_deadline_and_abort_stops_a_run_that_saves(tmp_
     toy = Toy(tmp_path, wait={0})
     run = toy.run_dir(0)
     fut = toy.submit(0)
-    deadline = time.monotonic() + 60
-    while not (run / "started.json").is_file() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for((run / "started.json").is_file, "started.json", poll_s=0.05)
     child = _started(run)
     assert child["sid"] == child["pid"]  # its own session: a Ctrl-C at the terminal reaches only the driver
     toy.abort()
-    result = fut.result(timeout=60)
+    result = fut.result(timeout=CAP_S)
     toy.shutdown()
     assert result["status"] == "stopped" and (run / "saved").read_text() == str(int(signal.SIGTERM))
     assert toy.counts["skipped"] == 1 and toy.run_job(1)["status"] == "skipped"  # aborted: nothing more starts
@@ -137,6 +137,7 @@ def test_a_folder_another_process_writes_is_left_alone(tmp_path):
     assert (run / "summary.json").read_text() == "{}" and not list(tmp_path.glob("job0.old*"))
 
 
+@pytest.mark.usefixtures("terminal_signals")
 def test_a_killed_driver_takes_its_child_with_it(tmp_path):
     """PR_SET_PDEATHSIG: the child of a thread of a SIGKILLed driver gets SIGTERM and saves."""
     if not sys.platform.startswith("linux"):
@@ -152,18 +153,15 @@ def test_a_killed_driver_takes_its_child_with_it(tmp_path):
         "time.sleep(600)\n")
     import subprocess
 
-    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "out")], env={**os.environ})
+    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path / "out")], env={**os.environ},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "out" / "job0"
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "started.json").is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for((run / "started.json").is_file, "started.json", [proc], poll_s=0.05)
         assert (run / "started.json").is_file()
         proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 60
-        while not (run / "saved").is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        finish(proc)
+        wait_for((run / "saved").is_file, "saved", poll_s=0.05)
         assert (run / "saved").read_text() == str(int(signal.SIGTERM))
     finally:
         if proc.poll() is None:
@@ -229,6 +227,7 @@ def test_the_protocol_runner_names_runs_as_before(tmp_path):
     runner.shutdown()
 
 
+@pytest.mark.usefixtures("terminal_signals")  # an ignored SIGTERM is left alone
 def test_sigterm_stops_raises_stopped_and_restores_the_handler():
     from gwt_optim.toolkit.train import Stopped
 
@@ -260,7 +259,7 @@ def test_the_child_is_the_command_itself_after_the_wrapper(tmp_path):
     # end_with_parent execs the command in the same process: its pid, output and exit status are the command's
     cmd = R.end_with_parent([sys.executable, "-c", "import os, sys; print(os.getpid()); sys.exit(3)"])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = finish(proc)
     assert proc.returncode == 3 and int(out) == proc.pid
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _waiting import CAP_S, finish, wait_for
 
 from gwt_optim.cli import main
 from gwt_optim.toolkit import checkpoint as ckpt
@@ -28,6 +29,10 @@ from gwt_optim.toolkit.train import TrainConfig, train
 # One thread: a tiny model gains nothing from more, and the in-process reference runs match it bit for bit.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 NEVER_ENDS = "100000"  # steps: a run that only a signal stops
+
+# Every test here sends real signals: SIGINT and SIGTERM as at a terminal, whatever this worker inherited
+# (a child inherits an ignored signal, and training honours it).
+pytestmark = pytest.mark.usefixtures("terminal_signals")
 
 
 def _settings(tiny_model: str, corpus: str, steps: str) -> list[str]:
@@ -51,13 +56,8 @@ def _max_step(run: Path) -> int:
         return 0
 
 
-def _wait_for_step(run: Path, step: int, procs: list[subprocess.Popen], timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while _max_step(run) < step:
-        for p in procs:
-            assert p.poll() is None, f"exited with {p.returncode} before training: {p.communicate()}"
-        assert time.monotonic() < end, f"no step {step} in {run} after {timeout} s"
-        time.sleep(0.01)
+def _wait_for_step(run: Path, step: int, procs: list[subprocess.Popen]) -> None:
+    wait_for(lambda: _max_step(run) >= step, f"step {step} in {run}", procs, poll_s=0.01)
 
 
 def _children(pid: int) -> list[int]:
@@ -81,7 +81,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
+def _wait_gone(pid: int, timeout: float = CAP_S) -> bool:
+    """Gone, or still there after ``timeout`` (a cap for a hung process, not a deadline)."""
     end = time.monotonic() + timeout
     while _alive(pid) and time.monotonic() < end:
         time.sleep(0.05)
@@ -111,7 +112,7 @@ def test_sigterm_saves_with_save_every_0_and_resume_continues_bitwise(tiny_model
     try:
         _wait_for_step(part, 2, [proc])
         os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
+        out, err = finish(proc)
     finally:
         _kill_leftovers([proc.pid])
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -156,7 +157,7 @@ def test_a_signal_to_torchrun_and_its_workers_saves(tiny_model, corpus, tmp_path
         assert len(workers) == 2
         for pid in [launcher.pid, *workers]:
             os.kill(pid, sig)
-        out, err = launcher.communicate(timeout=120)
+        out, err = finish(launcher)
     finally:
         _kill_leftovers([launcher.pid, *workers])
     assert "Unable to shutdown process" not in err  # torchrun had to SIGKILL a worker
@@ -184,7 +185,7 @@ def test_a_second_writer_on_a_running_folder_is_refused(tiny_model, corpus, tmp_
         assert f"pid {first.pid}" in err and str(run) in err
         assert (run / "config.json").read_text() == config and _max_step(run) >= 1
         os.kill(first.pid, signal.SIGTERM)
-        first.communicate(timeout=120)
+        finish(first)
     finally:
         _kill_leftovers([first.pid])
     assert first.returncode == 128 + signal.SIGTERM
@@ -219,7 +220,7 @@ def test_sigterm_to_compare_stops_and_saves_its_child(tiny_model, corpus, tmp_pa
         assert main(argv) == 2
         assert f"pid {parent.pid}" in capsys.readouterr().err
         os.kill(parent.pid, signal.SIGTERM)
-        _, err = parent.communicate(timeout=120)
+        _, err = finish(parent)
     finally:
         _kill_leftovers([parent.pid, child])
     assert parent.returncode == 128 + signal.SIGTERM, err
@@ -233,8 +234,8 @@ def test_a_killed_compare_takes_its_child_with_it(tiny_model, corpus, tmp_path):
     parent, child = _start_compare(tiny_model, corpus, out)
     try:
         os.kill(parent.pid, signal.SIGKILL)
-        parent.communicate(timeout=30)
-        assert _wait_gone(child, 120), "the training child outlived its killed parent"
+        finish(parent)
+        assert _wait_gone(child), "the training child outlived its killed parent"
     finally:
         _kill_leftovers([parent.pid, child])
     run = out / run_dir_name(0, "adamw")
