@@ -48,7 +48,8 @@ from gwt_optim.optim._stepper import LIMITER_EPS
 __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor",
     "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
-    "adamw_moments", "adam_step_factor", "muon_momentum", "adam_mini_moments", "adafactor_moments",
+    "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
+    "adafactor_moments",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
     "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
 ]  # fmt: skip
