@@ -43,7 +43,7 @@ in two implementations that are tested against each other:
 
     so a step is one reduction pass over :math:`G` and one update pass over
     :math:`W` and :math:`G`. A family may run both as fused kernels
-    (:meth:`GWTOptimizer._fused_kernel`; GWT-AdamW does, see
+    (:meth:`GWTOptimizer.select_backend`; GWT-AdamW has them, see
     :mod:`gwt_optim.optim._fused` and the ``compile`` argument); the eager
     tensor operations here are the fallback for everything else.
 
@@ -82,6 +82,7 @@ from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
 from gwt_optim.optim import _fused
+from gwt_optim.optim._backends import CAPABILITIES, Choice, candidates
 from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
                                       reduce_limiter_norms)
 from gwt_optim.optim._saved import check_family, check_saved_state, eager_state_problem
@@ -178,10 +179,9 @@ class GWTOptimizer(Optimizer):
 
     Subclasses implement :meth:`_init_family_state`, :meth:`_approx_update`
     and :meth:`_step_factor`, and may override :meth:`_direction`,
-    :meth:`_validate_family`, :meth:`_validate_param` and
-    :meth:`_fused_kernel` (fused kernels for the whole transformed step of
-    some parameters). Hooks that need the parameter receive its
-    :class:`ParamStep`.
+    :meth:`_validate_family` and :meth:`_validate_param`; a family with
+    fused kernels names them in :attr:`_KERNELS`. Hooks that need the
+    parameter receive its :class:`ParamStep`.
 
     ``compile`` chooses fused kernels where a family has them: ``None`` (auto:
     where they can be built, else the eager path with one warning), ``True``
@@ -224,6 +224,11 @@ class GWTOptimizer(Optimizer):
     _GROUP_KEY: str | None = None
     #: Whether the family stores ``moment_dtype="int8"`` moments (:mod:`._quant`).
     _INT8_MOMENTS = False
+    #: The family's fused kernels (a class like :class:`._fused.AdamWHaarKernels`,
+    #: built with ``compile`` on the first step that may take one), or None:
+    #: every step eager. The backends' capabilities (:mod:`._backends`) and
+    #: :meth:`select_backend` decide which parameter takes which.
+    _KERNELS: type | None = None
 
     def _init_bookkeeping(self) -> None:
         _make_untraced()
@@ -236,6 +241,8 @@ class GWTOptimizer(Optimizer):
         self.__dict__.setdefault("_state_specs", {})
         # Runs the batched parameters, under a plan per scope (see step()).
         self.__dict__.setdefault("_stepper", Stepper())
+        # The built _KERNELS, made on first use (not copied or pickled: built again).
+        self.__dict__.setdefault("_kernels", None)
 
     @property
     def nonfinite_skips(self) -> int:
@@ -375,17 +382,6 @@ class GWTOptimizer(Optimizer):
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
-    def _fused_kernel(self, group: dict, w: Tensor, G: Tensor, level: int) -> _fused.FusedBackend | None:
-        """A fused backend (:class:`gwt_optim.optim._fused.FusedBackend`) for
-        this parameter's step at ``level`` (0: the plain step, which only a
-        ``batched`` backend may take), or ``None`` for the eager path; the
-        default has none. :meth:`route` asks first with the gradient ``G`` in
-        its own dtype, then in the compute dtype. The state is checked with
-        :func:`~gwt_optim.optim._fused.state_problem` before a backend sees
-        it, and fused steps skip :meth:`_direction`.
-        """
-        return None
-
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         # Tag each group with the family, so that loading it into another
@@ -523,7 +519,7 @@ class GWTOptimizer(Optimizer):
             # The eager path checks every gradient itself: where reading the
             # answer waits for the device, all of them at once.
             eager = [p for p, g in params if p.grad is not None and not is_dtensor(p) and not p.grad.is_sparse
-                     and p.numel() and self._eager_group(g) and self._check_waits(p.grad)]
+                     and p.numel() and self._group_refusal(g) is not None and self._check_waits(p.grad)]
             if eager:
                 finite.update(_finite_at_once(eager))
         for p, group in params:
@@ -590,63 +586,118 @@ class GWTOptimizer(Optimizer):
 
     def route(self, group: dict, p: Tensor, grad: Tensor) -> Route:
         """The path of ``p``'s step (a key of :data:`PATHS`), its fused
-        backend if any, and the gradient as that path reads it.
+        backend if any, and the gradient as that path reads it:
+        :meth:`select_backend`'s answer as a path. ``tests/test_route.py``
+        tables the cases.
 
-        The one place that decides it; ``tests/test_route.py`` tables the
-        cases. In order:
+        A backend that runs whole steps takes the step (``"batched"``), unless
+        the parameter is sharded (``"fused"``: phase 1 and phase 2 around the
+        limiter's all-reduce). Without a backend, the eager path: ``"plain"``
+        at level 0, ``"haar"`` for a Haar transform under ``impl="fast"``,
+        else ``"reference"``.
+        """
+        choice = self.select_backend(group, p, grad)
+        if choice.backend is not None:
+            path = "batched" if choice.backend.capabilities.batched and not is_dtensor(p) else "fused"
+        elif choice.level == 0:
+            path = "plain"
+        elif self._impl == "fast" and group["wavelet"] == wavelets.HAAR:
+            path = "haar"
+        else:
+            path = "reference"
+        return Route(path, choice.backend, choice.grad, choice.level, choice.transformed)
+
+    def select_backend(self, group: dict, p: Tensor, grad: Tensor) -> Choice:
+        """The fused backend that runs ``p``'s step with gradient ``grad``, or
+        why none does: the one place that decides it, from what each backend
+        declares (:data:`gwt_optim.optim._backends.CAPABILITIES`).
 
         1. A parameter with fewer than two dimensions runs at level 0.
-        2. A fused backend, where the family has one (:meth:`_fused_kernel`)
-           for this device, dtype, level and moment dtype, under ``impl="fast"``:
-           for a transformed Haar step, or (a batched backend only) for a
-           plain step with no limiter and alpha 1 on an unsharded parameter.
-           It is asked first for the gradient in its own dtype, then in the
-           compute dtype. A batched backend takes the whole step (``"batched"``)
-           unless the parameter is sharded (``"fused"``).
-        3. Otherwise the eager path: ``"plain"`` at level 0, ``"haar"`` for a
-           Haar transform under ``impl="fast"``, else ``"reference"``.
+        2. The group must allow a backend at all (:meth:`_group_refusal`: the
+           family has kernels, ``impl="fast"``, ``compile`` is not False, and
+           its moment dtype is one they read), and the step must be one a
+           kernel computes: a transformed Haar step, or at level 0 the plain
+           family's (no limiter, alpha 1, an unsharded, non-scalar parameter),
+           which only a backend that runs whole steps may take.
+        3. The candidates for this ``compile``, device and level
+           (:func:`~gwt_optim.optim._backends.candidates`), in order, first
+           with the gradient in its own dtype (a backend that reads it takes
+           it without a copy), then cast to the compute dtype (at least
+           fp32). The first whose capabilities take the weight, gradient,
+           moment dtype and level (:meth:`Capabilities.refusal
+           <gwt_optim.optim._backends.Capabilities.refusal>`), the group's
+           ``detail_clip`` and int8 moments, and a sharded parameter, and
+           that builds and prepares (:class:`~gwt_optim.optim._fused.AdamWHaarKernels`),
+           wins.
+
+        The state is checked with :func:`~gwt_optim.optim._fused.state_problem`
+        before a backend sees it; fused steps skip :meth:`_direction`.
         """
         w, g = local(p), local(grad)
         transformed = p.ndim >= 2
         level = group["level"] if transformed else 0
         cdt = self._compute_dtype(w)
-        fast = self._impl == "fast" and (group["wavelet"] == wavelets.HAAR or level == 0)
-        if not fast:
-            backend = None
-        elif level > 0:
-            backend = self._fused_kernel(group, w, g, level)
-            if backend is None and g.dtype != cdt:
-                g = g.to(cdt)
-                backend = self._fused_kernel(group, w, g, level)
-        elif not (w.ndim == 0 or is_dtensor(p) or self._limiter_enabled(group, transformed)
-                  or (transformed and group["scale"] != 1)):
+        reason = self._group_refusal(group)
+        if reason is None and level > 0 and group["wavelet"] != wavelets.HAAR:
+            reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
+        if reason is None and level == 0 and (w.ndim == 0 or is_dtensor(p) or self._limiter_enabled(group, transformed)
+                                              or (transformed and group["scale"] != 1)):
             # With no transform, no limiter and alpha = 1 the step is the plain
             # family's, which a batched backend may run for all such parameters
             # at once (GWT-AdamW: torch._fused_adamw_ on CPU, its Triton kernels
             # on CUDA) instead of a dozen eager operations per parameter.
-            backend = self._plain_backend(group, w, g)
-            if backend is None and g.dtype != cdt:
-                g = g.to(cdt)
-                backend = self._plain_backend(group, w, g)
-        else:
-            backend = None
-        if backend is None and g.dtype != cdt:
+            reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
+        if reason is not None:
+            return Choice(None, g if g.dtype == cdt else g.to(cdt), level, transformed, reason)
+
+        if self._kernels is None:
+            # Built lazily: the C compiler or Triton runs on the first step only.
+            self._kernels = self._KERNELS(self._compile)
+        md = self._moment_dtype(group, cdt)
+        names = candidates(self._compile, w.device.type, level)
+        refusals = []
+        while True:
+            for name, strict in names:
+                backend = self._kernels._backend(name, strict)
+                if backend is None:
+                    refusals.append(f"{name}: unavailable (it failed to build)")
+                    continue
+                caps = backend.capabilities
+                why = caps.refusal(w, g, md, level)
+                if why is None and group["detail_clip"] is not None and not caps.detail_clip:
+                    why = "has no clipped form of the details (detail_clip)"
+                if why is None and group["moment_dtype"] == "int8" and not caps.int8_moments:
+                    why = "does not read int8 moments"
+                if why is None and level == 0 and not caps.batched:
+                    why = "does not run whole plain steps"
+                if why is None and is_dtensor(p) and not caps.dtensor:
+                    why = "has no separate phases for a sharded parameter"
+                if why is None:
+                    if self._kernels.prepare(backend, w, g, md, level, strict):
+                        return Choice(backend, g, level, transformed, None)
+                    why = "failed to compile for this parameter"
+                refusals.append(f"{name}: {why}")
+            if g.dtype == cdt:
+                break
             g = g.to(cdt)
-        if backend is not None:
-            path = "batched" if getattr(backend, "batched", False) and not is_dtensor(p) else "fused"
-        else:
-            path = "plain" if level == 0 else "haar" if fast else "reference"
-        return Route(path, backend, g, level, transformed)
+        if not names:
+            refusals.append(f"no backend for level {level} on {w.device.type} under compile={self._compile!r}")
+        return Choice(None, g, level, transformed, "; ".join(refusals))
 
-    def _plain_backend(self, group: dict, w: Tensor, G: Tensor) -> Any | None:
-        backend = self._fused_kernel(group, w, G, 0)
-        return backend if backend is not None and getattr(backend, "batched", False) else None
-
-    def _eager_group(self, group: dict) -> bool:
-        """Whether every parameter of ``group`` takes an eager path (no fused
-        backend can be routed to), which checks each gradient's finiteness
-        itself: a family with fused kernels extends it."""
-        return self._impl != "fast" or type(self)._fused_kernel is GWTOptimizer._fused_kernel
+    def _group_refusal(self, group: dict) -> str | None:
+        """Why no parameter of ``group`` can take a fused backend, or None
+        (then :meth:`select_backend` looks at each). A group refused here
+        takes the eager path everywhere, which checks each gradient's
+        finiteness itself (``_step_params`` reads all of them at once)."""
+        if self._KERNELS is None:
+            return f"{self._family} has no fused kernels"
+        if self._impl != "fast":
+            return f"impl={self._impl!r} runs the eager path"
+        if self._compile is False:
+            return "compile=False runs the eager path"
+        if group["moment_dtype"] == "int8" and not any(caps.int8_moments for caps in CAPABILITIES.values()):
+            return "no backend reads int8 moments"
+        return None
 
     # ----------------------------------------------------------- phases --- #
 

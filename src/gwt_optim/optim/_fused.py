@@ -40,7 +40,10 @@ This module holds what the optimizer sees of them: the :class:`FusedBackend`
 protocol that every backend follows, :func:`state_problem` (the optimizer
 checks each parameter's state with it before any backend sees that state:
 kernels index the moments by the parameter's shape), and
-:class:`AdamWHaarKernels`, which picks and builds a backend per parameter.
+:class:`AdamWHaarKernels`, which builds and prepares the backends. Which
+backend a parameter takes is decided in one place,
+:meth:`GWTOptimizer.select_backend <gwt_optim.optim._base.GWTOptimizer.select_backend>`,
+from the capabilities each backend declares (:mod:`gwt_optim.optim._backends`).
 A gradient holding a NaN or an infinity leaves that parameter's weight and
 state unchanged (its step count still advances), on every path: the native
 kernels find it in a first pass over the gradient, before they change
@@ -57,6 +60,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
+from gwt_optim.optim._backends import CAPABILITIES, Capabilities
 from gwt_optim.optim._native import NativeBackend, native_library
 from gwt_optim.optim._toolchain import KernelUnavailable
 
@@ -75,12 +79,14 @@ __all__ = [
 class FusedBackend(Protocol):
     """A fused kernel backend for the transformed Haar GWT-AdamW step.
 
-    :meth:`GWTOptimizer._fused_kernel <gwt_optim.optim._base.GWTOptimizer._fused_kernel>`
-    returns one for a parameter it takes. The optimizer has checked the state
-    with :func:`state_problem` before calling any method with it.
+    :meth:`GWTOptimizer.select_backend <gwt_optim.optim._base.GWTOptimizer.select_backend>`
+    picks one for a parameter from its :attr:`capabilities`. The optimizer
+    has checked the state with :func:`state_problem` before calling any
+    method with it.
 
-    A batched backend may also provide ``step_batches(batches, limiter_eps,
-    *, key)``: ``step_many`` for one of the optimizer's plans, a list of
+    A backend whose capabilities say ``plans`` also provides
+    ``step_batches(batches, limiter_eps, *, key)``: ``step_many`` for one of
+    the optimizer's plans, a list of
     :class:`~gwt_optim.optim._base.StepBatch` that stays the same from step to
     step (see there for what the optimizer has checked). ``key`` names the
     plan: ``"step"`` for :meth:`~gwt_optim.optim._base.GWTOptimizer.step`'s,
@@ -92,17 +98,15 @@ class FusedBackend(Protocol):
     """
 
     name: str
-    #: True: the optimizer hands whole steps to :meth:`step_many` (for every
-    #: parameter that needs no collective); the phases serve the rest.
-    batched: bool
+    #: What it takes and can do (:class:`~gwt_optim.optim._backends.Capabilities`):
+    #: the optimizer asks nothing else. ``batched``: the optimizer hands whole
+    #: steps to :meth:`step_many` (for every parameter that needs no
+    #: collective); the phases serve the rest.
+    capabilities: Capabilities
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        """Whether this backend takes this parameter (device, dtypes, layout).
-
-        ``G`` is first the gradient in its own dtype (bf16 for bf16 weights):
-        accepting it means the backend reads that dtype as it is, and the
-        optimizer makes no copy. Otherwise the optimizer casts ``G`` to the
-        compute dtype (at least fp32) and asks again."""
+        """``capabilities.refusal(...) is None``: whether this backend takes
+        this parameter (device, dtypes, level, layout)."""
         ...
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
@@ -120,7 +124,7 @@ class FusedBackend(Protocol):
 
     def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | tuple[Tensor, ...]:
         """Whole steps (phase 1, limiter, phase 2) of ``(ParamStep, scale,
-        decay)`` items; only called when :attr:`batched`. A parameter whose
+        decay)`` items; only called when ``capabilities.batched``. A parameter whose
         gradient is not finite keeps its weight, moments and ``limiter_norm``.
         Returns the ParamSteps so skipped (CPU), or a tuple of the backend's
         running counts on the devices (0-d integer tensors that its kernels add
@@ -203,19 +207,10 @@ class FusedAdamWBackend:
     """
 
     name = "fused_adamw"
-    batched = True
-    detail_clip = True  # level 0 has no details: the clip changes nothing
+    capabilities = CAPABILITIES["fused_adamw"]
 
-    @staticmethod
-    def supports(w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        # torch's CPU kernel takes one dtype for weights, gradients and moments.
-        return (
-            level == 0
-            and w.device.type == "cpu"
-            and w.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-            and G.dtype == w.dtype
-            and moment_dtype == w.dtype
-        )
+    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
+        return self.capabilities.refusal(w, G, moment_dtype, level) is None
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to build: the kernel ships with torch."""
@@ -257,7 +252,7 @@ def all_finite(tensors: list[Tensor]) -> list[bool]:
     return torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().tolist()
 
 
-# --------------------------------------------------------------- choice --- #
+# ------------------------------------------------------------- building --- #
 
 
 def _triton_backend() -> Any:
@@ -272,8 +267,6 @@ BACKENDS: dict[str, Callable[[], Any]] = {
     "native": NativeBackend,
     "triton": _triton_backend,
 }
-# The backends compile=None/True tries per device type, in order.
-_AUTO = {"cpu": ("native",), "cuda": ("triton",)}
 
 
 def check_compile_option(compile: bool | str | None) -> None:
@@ -287,23 +280,16 @@ def check_compile_option(compile: bool | str | None) -> None:
 
 
 class AdamWHaarKernels:
-    """Picks and builds the backend for each parameter, per ``compile``:
+    """GWT-AdamW's built backends, per ``compile`` (``None``: auto, ``True``:
+    required, or a name from :data:`BACKENDS`): it builds each on first use
+    and compiles what a parameter needs, and remembers what failed.
+    :meth:`GWTOptimizer.select_backend <gwt_optim.optim._base.GWTOptimizer.select_backend>`
+    decides which backend to ask for.
 
-    ``None`` (auto)
-        the device's backend (native on CPU, Triton on CUDA)
-        when it can be built; otherwise one warning and the generic eager path.
-    ``True``
-        the same, but failing to build the device's last choice raises.
-    ``False``
-        never (always the generic path).
-    ``"native"`` / ``"triton"``
-        that backend on every device it supports; failing to build raises.
-
-    Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
-    ``torch._fused_adamw_`` on CPU (the native kernels for bf16 weights with
-    fp32 moments, which torch's kernel does not take) and the Triton kernels on
-    CUDA, unless ``compile`` is ``False`` (or names a backend without a
-    level-0 step).
+    A failure to build or prepare a backend the caller marks ``strict`` (the
+    last choice for a transformed step) is an error unless ``compile`` is
+    ``None``, where it warns once and the eager path runs; any other failure
+    falls through silently to the next choice.
     """
 
     def __init__(self, compile: bool | str | None) -> None:
@@ -311,9 +297,13 @@ class AdamWHaarKernels:
         self.compile = compile
         self._backends: dict[str, Any] = {}
         self._failed: set[str] = set()
+        # torch's kernel: nothing to build, and not one of the named backends.
         self._plain_cpu = FusedAdamWBackend()
 
-    def _backend(self, name: str, last: bool = True) -> Any | None:
+    def _backend(self, name: str, strict: bool = True) -> Any | None:
+        """The backend ``name``, built once, or None where it failed to build."""
+        if name == FusedAdamWBackend.name:
+            return self._plain_cpu
         if name in self._backends:
             return self._backends[name]
         if name in self._failed:
@@ -321,68 +311,38 @@ class AdamWHaarKernels:
         try:
             backend = BACKENDS[name]()
         except Exception as exc:  # a missing compiler, a failed build, no torch.compile, no triton
-            if self.compile is not None and last:
+            if self.compile is not None and strict:
                 raise
-            if last:
+            if strict:
                 warnings.warn(
                     f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
                     RuntimeWarning,
-                    stacklevel=5,
+                    stacklevel=3,  # at route(), which asked for it
                 )
             self._failed.add(name)
             return None
         self._backends[name] = backend
         return backend
 
-    def _candidates(self, device_type: str) -> tuple[str, ...]:
-        if isinstance(self.compile, str):
-            return (self.compile,)
-        return _AUTO.get(device_type, ())
-
-    def select(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> Any | None:
-        """The backend for this parameter, or None for the generic path."""
-        if self.compile is False:
-            return None
-        if level == 0:
-            if w.device.type == "cpu" and self.compile != "triton":
-                if self._plain_cpu.supports(w, G, moment_dtype, 0):
-                    return self._plain_cpu
-                # torch's CPU kernel takes one dtype for weights and moments;
-                # bf16 weights keep fp32 moments, and the native kernels' level
-                # 0 (blocks of one entry: A = G, no details) is AdamW.
-                if self.compile in (None, True, "native"):
-                    return self._ready("native", w, G, moment_dtype, 0, last=False)
-                return None
-            if self.compile not in (None, True, "triton"):
-                return None
-            return self._ready("triton", w, G, moment_dtype, 0, last=False)
-        names = self._candidates(w.device.type)
-        for i, name in enumerate(names):
-            backend = self._ready(name, w, G, moment_dtype, level, last=i == len(names) - 1)
-            if backend is not None:
-                return backend
-        return None
-
-    def _ready(self, name: str, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int, last: bool) -> Any | None:
-        """The backend ``name``, built and compiled for this parameter, or None."""
-        backend = self._backend(name, last)
-        if backend is None or not backend.supports(w, G, moment_dtype, level):
-            return None
+    def prepare(self, backend: Any, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int,
+                strict: bool) -> bool:
+        """Build or compile what this parameter needs, before any state
+        changes; False (and the backend dropped) where that failed."""
         try:
             backend.prepare(w, G, moment_dtype, level)
         except Exception as exc:  # e.g. no C compiler, or Triton fails to build
-            if self.compile is not None and last:
+            if self.compile is not None and strict:
                 raise KernelUnavailable(
-                    f"compiling the fused '{name}' kernels failed: {exc}; pass compile=False to use the eager path"
+                    f"compiling the fused '{backend.name}' kernels failed: {exc}; pass compile=False to use the "
+                    "eager path"
                 ) from exc
             warnings.warn(
-                f"GWT-AdamW: compiling the fused '{name}' kernels failed ({exc}); using "
-                + ("the eager path" if last else "the next backend"),
+                f"GWT-AdamW: compiling the fused '{backend.name}' kernels failed ({exc}); using "
+                + ("the eager path" if strict else "the next backend"),
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=3,  # at route(), which asked for it
             )
-            self._failed.add(name)
-            self._backends.pop(name, None)
-            return None
-        return backend
-
+            self._failed.add(backend.name)
+            self._backends.pop(backend.name, None)
+            return False
+        return True

@@ -24,6 +24,7 @@ and the signatures of its functions) and :class:`NativeBackend`, which follows
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import weakref
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim import _toolchain
+from gwt_optim.optim._backends import CAPABILITIES
 
 __all__ = ["NativeBackend", "native_library"]
 
@@ -143,8 +145,7 @@ class NativeBackend:
     """
 
     name = "native"
-    batched = True
-    detail_clip = True  # a hyperparameter of phase 2 (0 when off)
+    capabilities = CAPABILITIES["native"]
 
     def __init__(self) -> None:
         lib = native_library()
@@ -152,8 +153,11 @@ class NativeBackend:
         self._phase2 = {dt: getattr(lib, f"gwt_adamw_haar_phase2_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._phase2_clip = {dt: getattr(lib, f"gwt_adamw_haar_phase2_clip_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
         self._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _DTYPE_SUFFIX.items()}
-        # bf16 rows are converted a segment of whole blocks at a time, which bounds the block.
-        self._bf16_max_level = lib.gwt_bf16_max_level()
+        # bf16 rows are converted a segment of whole blocks at a time, which
+        # bounds the block: the library says how far.
+        bf16_max_level = ((torch.bfloat16, lib.gwt_bf16_max_level()),)
+        if bf16_max_level != self.capabilities.max_level:
+            self.capabilities = dataclasses.replace(self.capabilities, max_level=bf16_max_level)
         # The task arrays of the optimizer's step plan (step_batches), kept
         # while it hands over the same StepBatch list: filling one ctypes
         # struct per parameter per step costs more than the kernel on small
@@ -171,15 +175,7 @@ class NativeBackend:
         self._owner: dict[torch.dtype, weakref.ref] = {}
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        return (
-            w.device.type == "cpu"
-            and w.dtype in _DTYPE_SUFFIX
-            and G.dtype == w.dtype
-            and moment_dtype == _STATE_DTYPE[w.dtype]
-            and (w.dtype != torch.bfloat16 or level <= self._bf16_max_level)
-            and w.is_contiguous()
-            and G.is_contiguous()
-        )
+        return self.capabilities.refusal(w, G, moment_dtype, level) is None
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to do: the library was built in ``__init__``."""

@@ -214,9 +214,8 @@ class Plan:
             for backend, batches in self.batches:
                 for batch in batches:
                     batch_scalars(host, batch)
-                run = getattr(backend, "step_batches", None)
-                if run is not None:
-                    host._count_skipped(run(batches, LIMITER_EPS, key=self.key))
+                if backend.capabilities.plans:
+                    host._count_skipped(backend.step_batches(batches, LIMITER_EPS, key=self.key))
                 else:
                     items = [(ps, b.scale, b.decay) for b in batches for ps in b.steps]
                     host._count_skipped(backend.step_many(items, LIMITER_EPS))
@@ -365,7 +364,6 @@ class Stepper:
         parameter's next step)."""
         backends = {id(b): b for plan in self.plans.values() for b in plan.backends()}
         for backend in backends.values():
-            forget = getattr(backend, "invalidate", None)
-            if forget is not None:
-                forget()
+            if backend.capabilities.plans:
+                backend.invalidate()
         self.plans = {}

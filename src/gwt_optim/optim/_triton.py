@@ -48,6 +48,7 @@ this); otherwise the backend takes CUDA tensors only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from array import array
@@ -60,6 +61,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from gwt_optim.optim._backends import CAPABILITIES
+
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
 # Decided at import, as Triton decides it for the kernels below.
@@ -69,8 +72,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEFAULT_CHUNK = 4096
 # Warps per phase program (Triton's own default).
 DEFAULT_WARPS = 4
-# A block is one row of a phase program's tile; 2^10 entries still fit.
-MAX_LEVEL = 10
+# A block is one row of a phase program's tile; 2^10 entries still fit
+# (the backends' capability table declares it).
+MAX_LEVEL = CAPABILITIES["triton"].levels[-1]
 # Chunk partials summed per iteration of the limiter's loop.
 _LIMITER_BLOCK = 1024
 
@@ -372,8 +376,7 @@ class TritonBackend:
     """
 
     name = "triton"
-    batched = True
-    detail_clip = True  # a kernel argument (+inf when off)
+    capabilities = CAPABILITIES["triton"]
 
     def __init__(self, chunk: int | None = None, *, num_warps: int | None = None, cpu: bool = INTERPRET) -> None:
         chunk = _env_int("GWT_TRITON_CHUNK", DEFAULT_CHUNK) if chunk is None else chunk
@@ -385,6 +388,8 @@ class TritonBackend:
         self.chunk = chunk
         self.num_warps = num_warps
         self.cpu = cpu
+        if cpu:
+            self.capabilities = dataclasses.replace(self.capabilities, devices=self.capabilities.devices | {"cpu"})
         self._buckets: dict[tuple, _Bucket] = {}
         # Per device: the running count of steps skipped for a non-finite
         # gradient, which the limiter kernel adds to (see _count).
@@ -396,20 +401,7 @@ class TritonBackend:
     # ------------------------------------------------------- selection --- #
 
     def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        """Any of fp32, bf16 and fp16 for W and for G, independently: a bf16
-        or fp16 gradient is read as it is (the optimizer does not copy it)."""
-        return (
-            (w.device.type == "cuda" or (self.cpu and w.device.type == "cpu"))
-            and G.device == w.device
-            and w.dtype in _KIND
-            and G.dtype in _KIND
-            and moment_dtype in _MOMENT_KINDS
-            and 0 <= level <= MAX_LEVEL
-            and G.shape == w.shape
-            and w.ndim >= 1
-            and w.is_contiguous()
-            and G.is_contiguous()
-        )
+        return self.capabilities.refusal(w, G, moment_dtype, level) is None
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Compile the kernels for this dtype combination and block size on

@@ -97,6 +97,8 @@ class GWTAdamW(GWTOptimizer):
 
     _family = "GWTAdamW"
     _INT8_MOMENTS = True
+    # Which parameters they take: GWTOptimizer.select_backend.
+    _KERNELS = _fused.AdamWHaarKernels
 
     def __init__(
         self,
@@ -121,26 +123,6 @@ class GWTAdamW(GWTOptimizer):
             detail_clip=detail_clip, moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
-        self._kernels: _fused.AdamWHaarKernels | None = None
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_kernels", None)
-
-    def _eager_group(self, group):
-        # int8 moments and compile=False take the eager path whatever the device.
-        return super()._eager_group(group) or group["moment_dtype"] == "int8" or self._compile is False
-
-    def _fused_kernel(self, group, w, G, level):
-        if group["moment_dtype"] == "int8":
-            return None  # the kernels read plain float moments
-        if self._kernels is None:
-            # Built lazily: the C compiler or Triton runs on the first step only.
-            self._kernels = _fused.AdamWHaarKernels(self._compile)
-        backend = self._kernels.select(w, G, self._moment_dtype(group, self._compute_dtype(w)), level)
-        if backend is not None and group["detail_clip"] is not None and not getattr(backend, "detail_clip", False):
-            return None  # this backend has no clipped form: the eager path is exact
-        return backend
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         check_adam_hyperparameters(g)
