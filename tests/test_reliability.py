@@ -560,7 +560,7 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
     for name in members:
         assert callable(getattr(_fused.FusedBackend, name))
         assert callable(getattr(_fused.NativeBackend, name))
-    assert _fused.NativeBackend.batched is True
+    assert _fused.NativeBackend.capabilities.batched is True
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
