@@ -103,6 +103,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--gate-nats", type=float, default=0.3, help="sanity gate (b): trained minus frozen (0.3)")
     g.add_argument("--gate-seeds", help="seeds of the frozen-matrix AdamW run of gate (b) (default: the first "
                    "reporting seed; 'none' leaves it for a later session)")
+    g.add_argument("--match-budgets", default="", metavar="F,F,...",
+                   help="the data-to-match ratio: AdamW at its best (lr, beta2, wd) also trains to these fractions "
+                        "of the budget, each on its own schedule, on --match-seeds; the report gives the budget at "
+                        "which AdamW's final loss equals each contender's at 1x (e.g. 0.75; default: none)")
+    g.add_argument("--match-seeds", help="seeds of those runs (default: the first two reporting seeds)")
     g.add_argument("--tune-only", action="store_true",
                    help="run the tuning grids only (stages 1-2); the reporting seeds wait for a later call")
     g = p.add_argument_group("running")
@@ -230,6 +235,9 @@ class Budget:
 
         self.tuner = runner("tune", self.tune_steps)
         self.reporter = runner("report", self.steps, pool=self.tuner.pool)  # one queue: at most --jobs processes
+        # AdamW at other budgets, each on its own schedule: one runner per step count, on the same queue.
+        self.matchers = {f: runner("match", max(1, round(f * self.steps)), pool=self.tuner.pool)
+                         for f in match_fractions_of(args.match_budgets)}
 
     def spec(self, label: str, lr: float) -> str:
         return P.run_spec(label, "fair", lr=lr, regular_lr=self.R)
@@ -272,16 +280,18 @@ class Budget:
                 "best_tune_loss": best[0] if best else None,
                 "edge": bool(best) and len(lrs) > 1 and best[1] in (lrs[0], lrs[-1])}
 
-    def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None) -> dict[str, Any]:
+    def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
+               runner: P.Runner | None = None) -> dict[str, Any]:
+        runner = runner or self.reporter
         jobs = {s: P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, beta2), wd), lr), lr, s) for s in seeds}
-        futs = {s: self.reporter.submit(j) for s, j in jobs.items()}
+        futs = {s: runner.submit(j) for s, j in jobs.items()}
         runs = []
         for s, f in futs.items():
             r = f.result()
             runs.append({"seed": s, "val_loss": r.get("val_loss"), "status": r.get("status"),
                          "state_bytes": r.get("state_bytes"), "wall_s": r.get("wall_s"),
                          "ms_per_step": r.get("ms_per_step"), "spec": jobs[s].spec,
-                         "curve": read_curve(self.reporter.run_dir(jobs[s]), self.T)})
+                         "curve": read_curve(runner.run_dir(jobs[s]), self.T)})
         m, sd = P.mean_std([r["val_loss"] for r in runs])
         states = [r["state_bytes"] for r in runs if r.get("state_bytes")]
         return {"lr": lr, "beta2": beta2, "weight_decay": wd, "runs": runs, "mean": m, "std": sd,
@@ -301,6 +311,44 @@ def gate_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
     return seeds
 
 
+def match_fractions_of(text: str) -> list[float]:
+    """``--match-budgets``: fractions of the budget in (0, 1) or above 1, never 1 itself (that run exists)."""
+    fs = P.floats(text)
+    if any(not P.finite(f) or f <= 0 or f == 1 for f in fs) or len(set(fs)) != len(fs):
+        raise ValueError(f"--match-budgets {text!r}: distinct fractions of the budget, > 0 and not 1 (e.g. 0.75)")
+    return fs
+
+
+def match_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
+    seeds = report_seeds[:2] if text is None else P.ints(text)
+    if not seeds or not set(seeds) <= set(report_seeds):
+        raise ValueError(f"--match-seeds {text!r}: reporting seeds ({report_seeds}), so that the 1x point is "
+                         "AdamW's reporting runs on the same seeds")
+    return seeds
+
+
+def budget_to_match(points: Sequence[tuple[float, float]], loss: float) -> tuple[float | None, str]:
+    """The token budget at which AdamW's final loss equals ``loss``, from its (tokens, final loss) points:
+    linear in log(tokens) between the two points that bracket it ("interpolated"), else along the line
+    through the two nearest points ("extrapolated"); None where the points do not fall with the budget."""
+    import math
+
+    pts = sorted((t, l) for t, l in points if P.finite(l) and t > 0)
+    if len(pts) < 2 or not P.finite(loss):
+        return None, ""
+    for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
+        if min(l0, l1) <= loss <= max(l0, l1) and l0 != l1:
+            how = "interpolated"
+            break
+    else:
+        (t0, l0), (t1, l1) = pts[-2:] if loss < pts[-1][1] else pts[:2]
+        how = "extrapolated"
+    if l1 >= l0:  # more data did not lower AdamW's loss: no budget answers
+        return None, ""
+    x = math.log(t0) + (math.log(t1) - math.log(t0)) * (l0 - loss) / (l0 - l1)
+    return math.exp(x), how
+
+
 def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any]:
     grids = grids_of(args)
     beta2s = P.floats(args.beta2s)
@@ -308,6 +356,7 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
     tune_seeds, report_seeds = P.ints(args.tune_seeds), P.ints(args.report_seeds)
     P.split_seeds(tune_seeds, report_seeds)
     gate_seeds = gate_seeds_of(args.gate_seeds, report_seeds)
+    match_seeds = match_seeds_of(args.match_seeds, report_seeds)
     b = Budget(args, base, windows, start)
     out: dict[str, Any] = {"steps": b.steps, "tune_steps": b.tune_steps, "tokens_per_step": b.T,
                            "budget_tokens": b.steps * b.T, "regular_lr": b.R, "tune_seeds": tune_seeds,
@@ -316,7 +365,7 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
                            "contenders": {}}
 
     with abort_on_signals([b.tuner, b.reporter], "stopping the runs in flight (they resume with --resume)"):
-        _stages(args, b, out, grids, beta2s, wds, tune_seeds, report_seeds, gate_seeds)
+        _stages(args, b, out, grids, beta2s, wds, tune_seeds, report_seeds, gate_seeds, match_seeds)
     analyse(out, args.gate_nats)
     out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
     return out
@@ -332,7 +381,8 @@ def weight_decays_of(text: str, base: float = 0.0) -> list[float]:
 
 
 def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]], beta2s: list[float],
-            wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int]) -> None:
+            wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int],
+            match_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
     try:
         others = [c for c in grids if c != P.BASELINE]
@@ -380,9 +430,20 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
 
             frozen = pool.submit(frozen_run) if gate_seeds and not args.tune_only else None
             futs = {c: pool.submit(lambda c=c: contender(c, tunes[c].result())) for c in grids}
+
+            def match_run(f: float, runner: P.Runner) -> dict[str, Any]:  # AdamW at its best, another budget
+                bt = tunes[P.BASELINE].result()
+                if bt["best_lr"] is None:
+                    return {"fraction": f, "runs": [], "mean": None}
+                r = b.report(P.BASELINE, bt["best_lr"], bt["best_beta2"] or beta2, match_seeds,
+                             wd_spec(bt["best_wd"]), runner=runner)
+                return {"fraction": f, "tokens": runner.setting.steps * b.T, **r}
+
+            matches = [pool.submit(match_run, f, r) for f, r in b.matchers.items()] if not args.tune_only else []
             for c, f in futs.items():
                 out["contenders"][c] = f.result()
             out["frozen"] = frozen.result() if frozen else {}
+            out["match"] = {"seeds": match_seeds, "budgets": [m.result() for m in matches]}
     finally:
         b.tuner.shutdown()
 
@@ -433,6 +494,7 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
         # A GWT family is also measured against the optimizer it transforms (GWT-Muon against Muon).
         fb = family_base(c, list(C))
         t["vs_family"] = {"base": fb, **_against(t, C[fb], budget)} if fb and fb != P.BASELINE else None
+    _data_to_match(out)
     fr = out.get("frozen") or {}
     trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
@@ -443,6 +505,28 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
               "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
               "pass": margin is not None and margin >= gate_nats},
     }
+
+
+def _data_to_match(out: dict[str, Any]) -> None:
+    """Each contender's data-to-match ratio, in place: the budget at which AdamW's final loss (its runs at the
+    other budgets, and at 1x, on the match seeds) equals the contender's at 1x on the same seeds, over 1x."""
+    M = out.get("match") or {}
+    seeds = M.get("seeds") or []
+    if not M.get("budgets"):
+        return
+    C, budget = out["contenders"], out["budget_tokens"]
+
+    def mean_on(runs: Sequence[dict[str, Any]]) -> float | None:
+        by = {r["seed"]: r.get("val_loss") for r in runs}
+        vals = [by.get(s) for s in seeds]
+        return P.mean_std(vals)[0] if all(P.finite(v) for v in vals) else None
+
+    points = [(m["tokens"], mean_on(m.get("runs", []))) for m in M["budgets"] if m.get("tokens")]
+    points.append((budget, mean_on(C.get(P.BASELINE, {}).get("runs", []))))
+    M["points"] = sorted(points)
+    for t in C.values():
+        tokens, how = budget_to_match(M["points"], mean_on(t.get("runs", [])))
+        t["data_to_match"] = {"tokens": tokens, "ratio": tokens / budget if tokens else None, "how": how}
 
 
 def _reach_cells(reach: float | None, speedup: float | None, measured: bool) -> tuple[str, str]:
@@ -535,6 +619,17 @@ def render(report: dict[str, Any]) -> str:
             reach_s, speed = _reach_cells(reach, speedup, bool(C[c].get("n")) and P.finite(C[v["base"]].get("mean")))
             lines.append(f"| {c} | {v['base']} | {_delta_cell(gap)} | {reach_s} | {speed} | "
                          f"{_speedup_cell(v.get('speedup_paired'))} |")
+    M = B.get("match") or {}
+    if M.get("points"):
+        lines += ["", f"## Data to match: the budget at which AdamW's final loss equals each contender's (seeds "
+                  f"{M.get('seeds')})", "",
+                  "AdamW at its best (lr, beta2, wd), each budget on its own schedule: " + ", ".join(
+                      f"{x / 1e6:.2f}M tokens: {f(l)}" for x, l in M["points"]) + ".", "",
+                  "| optimizer | AdamW's budget to match | ratio to the budget | how |", "|---|---:|---:|---|"]
+        for c, t in C.items():
+            d = t.get("data_to_match") or {}
+            lines.append(f"| {c} | " + (f"{d['tokens'] / 1e6:.2f}M | {d['ratio']:.2f}× | {d['how']} |"
+                                        if d.get("tokens") else "- | - | - |"))
     g = B.get("gates", {})
     ga, gb = g.get("a", {}), g.get("b", {})
     lines += ["", "## Sanity gates", "",
@@ -669,6 +764,8 @@ def main(argv: list[str] | None, description: str) -> int:
         grids_of(args)
         gate_seeds_of(args.gate_seeds, P.ints(args.report_seeds))
         weight_decays_of(args.weight_decays, args.weight_decay)
+        match_fractions_of(args.match_budgets)
+        match_seeds_of(args.match_seeds, P.ints(args.report_seeds))
         base = TrainConfig.from_dict({
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,

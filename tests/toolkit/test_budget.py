@@ -216,6 +216,33 @@ def test_each_gwt_family_is_also_measured_against_the_optimizer_it_transforms():
     assert f"{sp['mean']:.2f}× ± {sp['half']:.2f}" in row
 
 
+def test_budget_to_match_interpolates_in_log_tokens():
+    pts = [(4e6, 3.2), (8e6, 3.0), (16e6, 2.9)]
+    tokens, how = B.budget_to_match(pts, 3.1)
+    assert how == "interpolated" and tokens == pytest.approx((4e6 * 8e6) ** 0.5)  # halfway in log tokens
+    tokens, how = B.budget_to_match(pts, 2.8)  # better than AdamW at the largest budget: along the last segment
+    assert how == "extrapolated" and tokens == pytest.approx(32e6)
+    assert B.budget_to_match(pts, 3.4) == (pytest.approx(2e6), "extrapolated")  # worse than AdamW at the least
+    assert B.budget_to_match([(4e6, 3.0), (8e6, 3.1)], 2.9) == (None, "")  # more data did not help: no answer
+    assert B.budget_to_match(pts[:1], 3.0) == (None, "")
+    out = {"budget_tokens": 16, "contenders": {
+        "adamw": {"runs": [{"seed": 1, "val_loss": 2.9}, {"seed": 2, "val_loss": 2.9}, {"seed": 3, "val_loss": 9}]},
+        "gwt-adamw:level=2": {"runs": [{"seed": 1, "val_loss": 2.95}, {"seed": 2, "val_loss": 3.05}]}},
+        "match": {"seeds": [1, 2], "budgets": [{"tokens": 8, "runs": [{"seed": 1, "val_loss": 3.0},
+                                                                      {"seed": 2, "val_loss": 3.0}]}]}}
+    B._data_to_match(out)  # the 1x point is AdamW's mean on the match seeds alone (seed 3 is left out)
+    assert out["match"]["points"] == [(8, 3.0), (16, 2.9)]
+    d = out["contenders"]["gwt-adamw:level=2"]["data_to_match"]
+    assert d["how"] == "interpolated" and d["ratio"] == pytest.approx(0.5)
+    assert out["contenders"]["adamw"]["data_to_match"]["ratio"] == pytest.approx(1.0)
+    for bad in ("1", "0,0.5", "-1", "0.5,0.5"):
+        with pytest.raises(ValueError, match="--match-budgets"):
+            B.match_fractions_of(bad)
+    assert B.match_seeds_of(None, [1, 2, 3]) == [1, 2]
+    with pytest.raises(ValueError, match="--match-seeds"):
+        B.match_seeds_of("5", [1, 2, 3])
+
+
 def test_t_interval_and_the_weight_decay_axis():
     assert B.t_interval([1.0, 2.0, 3.0, 4.0]) == pytest.approx({"mean": 2.5, "half": 3.182 * 1.2910 / 2, "n": 4},
                                                                rel=1e-4)
@@ -239,7 +266,7 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
            "--model", tiny_model, "--vocab-size", "320", "--seq-len", "32", "--tokens-per-step", "128",
            "--val-tokens", "256", "--tune-steps", "2", "--evals", "2", "--contenders", "adamw,gwt-adamw:level=2",
            "--grid", "adamw=1e-3,3e-3", "--grid", "gwt-adamw:level=2=3e-3", "--beta2s", "0.95",
-           "--report-seeds", "1", "--save-every", "2", "--out", str(out), "--plot", ""]
+           "--report-seeds", "1", "--save-every", "2", "--match-budgets", "0.5", "--out", str(out), "--plot", ""]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -249,8 +276,13 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert set(C) == {"adamw", "gwt-adamw:level=2"} and all(t["n"] == 1 for t in C.values())
     assert C["adamw"]["runs"][0]["curve"][-1][0] == 512  # validations at 256 and 512 tokens
     assert report["budget"]["frozen"]["runs"][0]["status"] == "ok"
+    # The data-to-match run: AdamW at half the budget, on its own 2-step schedule, on the first reporting seed.
+    match = report["budget"]["match"]
+    assert match["seeds"] == [1] and [x for x, _ in match["points"]] == [256, 512]
+    assert match["budgets"][0]["runs"][0]["curve"][-1][0] == 256
     md = (out / "budget.md").read_text()
     assert "Sanity gates" in md and "(b) AdamW's trained matrices" in md and "speedup" in md
+    assert "## Data to match" in md
     assert (out / "loss-vs-tokens.png").stat().st_size > 1000
     img = tmp_path / "img" / "loss-vs-tokens.png"
     assert B.main(["--budget", "512", "--progress", "--out", str(out), "--tokens-per-step", "128", "--plot", str(img)],
