@@ -22,7 +22,7 @@ from _waiting import finish, run, wait_for
 from gwt_optim.cli import main
 from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
-from gwt_optim.toolkit.train import Callback, WarmupCosine, train
+from gwt_optim.toolkit.train import Callback, TrainConfig, WarmupCosine, train
 
 
 def _losses(run: str | Path) -> list[float]:
@@ -166,7 +166,6 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
     # One thread: a tiny model gains nothing from more, and they spin against other work on a busy machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full, part = tmp_path / "full", tmp_path / "part"
-    run(argv(full), env=env)
     rng = random.Random(3)
     interrupts, resume = 0, ()
     while interrupts < 3:
@@ -188,6 +187,14 @@ def test_sigint_to_the_pretrain_command_then_resume_is_bitwise_exact(tiny_model,
     if proc.returncode == 130:
         run(argv(part, "--resume"), env=env)
     assert interrupts == 3, "the run finished before the third SIGINT: give it more steps"
+    # The oracle: the same run, never interrupted, in this process (one thread, as the command's).
+    config = json.loads((part / "config.json").read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(TrainConfig.from_dict({**config, "out": str(full), "resume": False}))
+    finally:
+        torch.set_num_threads(threads)
     _assert_bitwise_equal(part, full)
 
 
