@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -163,6 +164,19 @@ def _build_in_child(directory: Path) -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory) -> Path:
+    """A cache holding the native library, built once by a child process; each test changes a copy."""
+    cache = tmp_path_factory.mktemp("built") / "cache"
+    _build_in_child(cache)
+    return cache
+
+
+def _copy(built: Path, cache: Path) -> Path:
+    shutil.copytree(built, cache)
+    return cache
+
+
 def _assert_verified(directory: Path) -> None:
     (pointer,) = directory.glob("adamw_haar_*.sha256")
     digest = pointer.read_text().strip()
@@ -170,10 +184,9 @@ def _assert_verified(directory: Path) -> None:
     assert hashlib.sha256(lib.read_bytes()).hexdigest() == digest
 
 
-def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
-    cache = tmp_path / "cache"
-    built = _build_in_child(cache)
-    data = built.read_bytes()
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path, built_cache):
+    cache = _copy(built_cache, tmp_path / "cache")
+    (data,) = {so.read_bytes() for so in (cache / "kernels").glob("*.so")}
     for so in (cache / "kernels").glob("*.so"):
         so.write_bytes(data[: len(data) // 3])
     # In a child: loading a truncated library can kill the process (SIGBUS).
@@ -194,9 +207,8 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path)
     _assert_verified(cache / "kernels")
 
 
-def test_a_garbage_cached_library_is_rebuilt(monkeypatch, tmp_path):
-    cache = tmp_path / "cache"
-    _build_in_child(cache)
+def test_a_garbage_cached_library_is_rebuilt(monkeypatch, tmp_path, built_cache):
+    cache = _copy(built_cache, tmp_path / "cache")
     for so in (cache / "kernels").glob("*.so"):
         so.write_bytes(b"\x7fELF not a library" * 100)
     lib = _build_in(monkeypatch, cache)
