@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _waiting import CAP_S
 import torch
 
 from gwt_optim.cli import main
@@ -249,7 +250,7 @@ def test_local_text_with_the_default_tokenizer_offline_says_so_at_once(monkeypat
 
 def test_the_installed_command_prints_one_line_and_exits_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gwt_optim", "pretrain", "--steps", "-1"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=CAP_S)
     assert done.returncode == 2
     assert done.stderr.strip() == "gwt-optim pretrain: error: --steps must be an integer >= 1, got -1"
 
@@ -257,7 +258,7 @@ def test_the_installed_command_prints_one_line_and_exits_2(tmp_path):
 def test_eight_bit_adam_prints_no_third_party_noise(tiny_argv, tmp_path):
     pytest.importorskip("bitsandbytes")
     done = subprocess.run([sys.executable, "-m", "gwt_optim", *tiny_argv("--optimizer", "adam8bit")],
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=CAP_S,
                           env={**os.environ, "GWT_OPTIM_CACHE": os.environ["GWT_OPTIM_CACHE"]})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kernels-community" not in done.stderr + done.stdout

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _waiting import CAP_S
 
 from gwt_optim.toolkit import errors
 
@@ -58,7 +59,7 @@ def test_errors_loads_no_other_toolkit_module():
     code = ("import sys, gwt_optim.toolkit.errors as e; "
             "print(sorted(m for m in sys.modules if m.startswith('gwt_optim.toolkit.')), len(e.user_error_types()))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=CAP_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["['gwt_optim.toolkit.errors']", "6"]
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _waiting import CAP_S
 
 from gwt_optim.cli import build_parser, main
 
@@ -72,7 +73,7 @@ def test_compare_end_to_end_then_report(tiny_model, corpus, tmp_path):
             "--model", tiny_model, "--data", corpus, "--tokenizer", "bpe:320", "--seq-len", "32",
             "--batch-size", "4", "--steps", "6", "--eval-every", "3", "--val-tokens", "512", "--lr", "1e-2",
             "--device", "cpu", "--no-progress", "--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=CAP_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| adamw | 0.003 | 1 |" in done.stdout  # the per-entry lr overrides --lr
     assert "| gwt-adamw (level=2) | 0.01 | 0.25 |" in done.stdout

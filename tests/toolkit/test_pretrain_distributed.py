@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _waiting import CAP_S
 
 from gwt_optim.toolkit.metrics import read_jsonl
 from gwt_optim.toolkit.train import TrainConfig, train
@@ -44,7 +45,7 @@ def _torchrun(config: dict, run: Path, port: int) -> subprocess.CompletedProcess
            "--master-addr=127.0.0.1", f"--master-port={port}",
            "-m", "gwt_optim", "pretrain", "--config", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=CAP_S, env=env)
 
 
 @pytest.fixture(scope="module")
