@@ -628,30 +628,78 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
 
 
 def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from gwt_optim.toolkit import checkpoint as ckpt
-    from gwt_optim.toolkit.data import build_data
-    from gwt_optim.toolkit.distributed import all_reduce, init_distributed, shard_rows, unwrap, wrap_model
-    from gwt_optim.toolkit.metrics import (
-        MetricsLog,
-        Throughput,
-        atomic_write_json,
-        cuda_peak_bytes,
-        environment,
-        peak_rss_bytes,
-        state_bytes,
-    )
-    from gwt_optim.toolkit.models import build_model, count_parameters, enable_gradient_checkpointing
-
+    # _setup builds a _Run; _Loop drives _train_step, _validate and _Checkpoints over it.
     _quiet_import_noise()
     cfg.validate()
     callbacks = list(callbacks)
-    dctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout)
-    device = dctx.device
-    run = _prepare_run_dir(cfg, dctx.is_main, held)
-    dctx.barrier()
+    return _Loop(_setup(cfg, held), callbacks).run()
 
+
+# --------------------------------------------------------------------------- #
+# Setup: everything before the first step
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(eq=False)
+class _Run:
+    """A run ready for its first step: what :func:`_setup` built, and what the
+    step, the evaluation and the checkpoints read."""
+
+    cfg: TrainConfig
+    dctx: Any  # gwt_optim.toolkit.distributed.DistContext
+    folder: Path
+    micro: int  # sequences per rank and forward pass
+    accum: int  # forward passes per rank and optimizer step
+    amp: torch.dtype | None  # autocast dtype; None: fp32
+    data: Any  # gwt_optim.toolkit.data.DataBundle: .train (a stream with a position), .validation, .info
+    model: nn.Module  # wrapped for DDP or FSDP2 when distributed
+    n_params: int
+    optimizer: torch.optim.Optimizer
+    opt_info: dict[str, Any]  # what cfg.optimizer resolved to (build_optimizer_for)
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    clip_anneal: DetailClipAnneal | None
+    log: Any = None  # gwt_optim.toolkit.metrics.MetricsLog, rank 0's only writes
+    start_step: int = 0
+    resumed_from: Path | None = None  # the checkpoint this run continues
+    eval_first: bool = False  # resumed at a validation step that a stop left unmade
+
+    @property
+    def device(self) -> torch.device:
+        return self.dctx.device
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len
+
+
+def _setup(cfg: TrainConfig, held: contextlib.ExitStack) -> _Run:
+    """Join the ranks, lock the run folder, build data, model, optimizer and
+    schedule, put a resumed run's checkpoint in place and write the run's files.
+    The order is the trajectory's: the seed is set after the data and before the model."""
+    from gwt_optim.toolkit.data import build_data
+    from gwt_optim.toolkit.distributed import init_distributed
+
+    dctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout)
+    folder = _prepare_run_dir(cfg, dctx.is_main, held)
+    dctx.barrier()
+    micro, accum = _micro_batches(cfg, dctx)
+    amp = _autocast_dtype(cfg.precision, dctx.device)
+    data = build_data(
+        cfg.data, seq_len=cfg.seq_len, val_tokens=cfg.val_tokens, seed=cfg.seed, tokenizer=cfg.tokenizer,
+        vocab_size=cfg.vocab_size, progress=cfg.progress and dctx.is_main,
+    )
+    r = _Run(cfg=cfg, dctx=dctx, folder=folder, micro=micro, accum=accum, amp=amp, data=data,
+             **_build_training(cfg, dctx, data))
+    if cfg.resume:
+        _resume(r)
+    if r.clip_anneal is not None:
+        r.clip_anneal.apply(r.scheduler.last_epoch)
+    _write_run_files(r)
+    return r
+
+
+def _micro_batches(cfg: TrainConfig, dctx) -> tuple[int, int]:
+    """Sequences per forward pass and forward passes per step, on each rank."""
     per_rank = cfg.batch_size // dctx.world_size
     micro = cfg.micro_batch_size or per_rank
     if cfg.batch_size % dctx.world_size or per_rank % micro:
@@ -670,15 +718,22 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
                f"(--micro-batch-size {micro} makes {accum} micro-batches per step; use --batch-size {micro}, "
                "or --gradient-checkpointing to fit the whole batch)")
         )
-    amp = _autocast_dtype(cfg.precision, device)
+    return micro, accum
 
-    data = build_data(
-        cfg.data, seq_len=cfg.seq_len, val_tokens=cfg.val_tokens, seed=cfg.seed, tokenizer=cfg.tokenizer,
-        vocab_size=cfg.vocab_size, progress=cfg.progress and dctx.is_main,
-    )
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every optimizer
+
+def _schedule(cfg: TrainConfig) -> WarmupCosine:
+    return WarmupCosine(cfg.steps, warmup_steps(cfg.warmup, cfg.steps), cfg.min_lr_ratio)
+
+
+def _build_training(cfg: TrainConfig, dctx, data) -> dict[str, Any]:
+    """The model (seeded, so every rank and every optimizer starts from the same
+    weights), its optimizer and their schedules, as :class:`_Run` fields."""
+    from gwt_optim.toolkit.distributed import unwrap, wrap_model
+    from gwt_optim.toolkit.models import build_model, count_parameters, enable_gradient_checkpointing
+
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, tokenizer=data.tokenizer, max_seq_len=cfg.seq_len, pretrained=cfg.pretrained)
-    model.to(device)
+    model.to(dctx.device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     n_params = count_parameters(model)
@@ -688,197 +743,305 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.Exi
         from gwt_optim.backward import step_in_backward
 
         step_in_backward(optimizer)  # for the life of this optimizer: no handle to keep
-    n_warmup = warmup_steps(cfg.warmup, cfg.steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
     clip_end = getattr(optimizer, "detail_clip_end", None)
-    clip_anneal = DetailClipAnneal(optimizer, clip_end, cfg.steps, n_warmup) if clip_end is not None else None
+    clip_anneal = None
+    if clip_end is not None:
+        clip_anneal = DetailClipAnneal(optimizer, clip_end, cfg.steps, warmup_steps(cfg.warmup, cfg.steps))
+    return dict(model=model, n_params=n_params, optimizer=optimizer, opt_info=opt_info, scheduler=scheduler,
+                clip_anneal=clip_anneal)
+
+
+def _resume(r: _Run) -> None:
+    """Load the newest usable checkpoint into the model, optimizer, schedule and
+    data position; set ``start_step`` and ``resumed_from`` (None: there was none)."""
+    from gwt_optim.toolkit import checkpoint as ckpt
+    from gwt_optim.toolkit.distributed import unwrap
+
+    cfg = r.cfg
 
     def restore(state: dict[str, Any]) -> int:
-        return ckpt.restore_training_state(state, model=unwrap(model), optimizer=optimizer, scheduler=scheduler,
-                                           data=data.train)
+        return ckpt.restore_training_state(state, model=unwrap(r.model), optimizer=r.optimizer,
+                                           scheduler=r.scheduler, data=r.data.train)
 
-    last_ckpt, start_step = _load_resume_state(run, cfg, dctx, restore) if cfg.resume else (None, 0)
-    if cfg.resume and last_ckpt is None and dctx.is_main:
-        print(f"--resume: no checkpoint in {run}; starting from step 0")
-    if last_ckpt is not None:
-        if start_step > cfg.steps:
-            from gwt_optim.toolkit.errors import UsageError
+    r.resumed_from, r.start_step = _load_resume_state(r.folder, cfg, r.dctx, restore)
+    if r.resumed_from is None:
+        if r.dctx.is_main:
+            print(f"--resume: no checkpoint in {r.folder}; starting from step 0")
+        return
+    if r.start_step > cfg.steps:
+        from gwt_optim.toolkit.errors import UsageError
 
-            raise UsageError(f"--steps {cfg.steps} is below step {start_step} of the checkpoint {last_ckpt}")
-        _use_schedule(scheduler, WarmupCosine(cfg.steps, n_warmup, cfg.min_lr_ratio))
-    if clip_anneal is not None:
-        clip_anneal.apply(scheduler.last_epoch)
+        raise UsageError(f"--steps {cfg.steps} is below step {r.start_step} of the checkpoint {r.resumed_from}")
+    _use_schedule(r.scheduler, _schedule(cfg))
 
+
+def _write_run_files(r: _Run) -> None:
+    """``config.json``, ``environment.json`` and ``metrics.jsonl`` (emptied, or on
+    resume cut back to the checkpoint's step); sets ``log`` and ``eval_first``."""
+    from gwt_optim.toolkit.metrics import MetricsLog, atomic_write_json, environment
+
+    cfg, dctx, run = r.cfg, r.dctx, r.folder
     if dctx.is_main:
         atomic_write_json(run / "config.json", cfg.to_dict())
         env = environment(packages=("bitsandbytes", "torchao", "galore-torch", "apollo-torch", "adam-mini"))
-        env.update(world_size=dctx.world_size, fsdp=cfg.fsdp, device=str(device),
-                   autocast=str(amp) if amp else "fp32")
+        env.update(world_size=dctx.world_size, fsdp=cfg.fsdp, device=str(r.device),
+                   autocast=str(r.amp) if r.amp else "fp32")
         atomic_write_json(run / "environment.json", env)
-    log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
-    # A stop lands before its step's validation (see the loop), so a run resumed at a validation step makes
+    r.log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
+    # A stop lands before its step's validation (see _Loop), so a run resumed at a validation step makes
     # that validation first. The weights are the checkpoint's and a validation draws no random number, so it
     # logs the figure the uninterrupted run logged; one already made (a periodic save) is made again, once.
-    eval_first = last_ckpt is not None and _is_eval_step(start_step, cfg)
-    if dctx.is_main and last_ckpt is not None:
+    r.eval_first = r.resumed_from is not None and _is_eval_step(r.start_step, cfg)
+    if dctx.is_main and r.resumed_from is not None:
         # Drop the records of steps this run will redo, and a validation it redoes.
-        log.truncate_after(start_step, redo_eval=start_step == cfg.steps or eval_first)
+        r.log.truncate_after(r.start_step, redo_eval=r.start_step == cfg.steps or r.eval_first)
     elif dctx.is_main:
         (run / "metrics.jsonl").unlink(missing_ok=True)
 
-    saved_step = start_step if last_ckpt is not None else -1
 
-    def save(step: int) -> None:
-        nonlocal last_ckpt, saved_step
+# --------------------------------------------------------------------------- #
+# The step, evaluation, checkpoints
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _StepResult:
+    loss: float  # the mean over the step's micro-batches and ranks
+    grad_norm: float | None  # before clipping; None without --grad-clip
+    lr: float  # the step's (largest) learning rate
+    stop: bool  # some rank was asked to stop
+
+
+def _train_step(r: _Run, batch: torch.Tensor, sigint: "_StopOnSignal", meter, *, step: int,
+                last_ckpt: Path | None) -> _StepResult:
+    """Optimizer step ``step + 1`` on this rank's ``batch``: accumulate the
+    micro-batches' gradients, agree on the loss and on a stop, then clip, step,
+    advance the schedules and clear the gradients. Timed by ``meter``.
+
+    Raises :class:`NonFiniteLossError` before the optimizer applies a bad loss."""
+    from gwt_optim.toolkit.distributed import all_reduce
+
+    cfg = r.cfg
+    # [loss, stop]: the stop request rides on the loss all-reduce, so every rank
+    # learns of a Ctrl-C or SIGTERM that reached any of them at the same step, for free.
+    reduced = torch.zeros(2, dtype=torch.float64, device=r.device)
+    with meter.step(r.tokens_per_step):
+        for i in range(r.accum):
+            x = batch[i * r.micro : (i + 1) * r.micro].to(r.device, non_blocking=True)
+            with _no_sync(r.model, last=i == r.accum - 1), _autocast(r.device, r.amp):
+                loss = r.model(input_ids=x, labels=x).loss / r.accum
+                # backward steps in that mode: a bad loss must stop before it
+                if not (cfg.step_in_backward and not torch.isfinite(loss)):
+                    loss.backward()
+            reduced[0] += loss.detach().double()
+        reduced[1] = float(sigint.requested)
+        all_reduce(reduced, r.dctx)
+        loss_value = float(reduced[0]) / r.dctx.world_size
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(
+                f"training loss is {loss_value} at step {step + 1}; stopped before applying it. "
+                + (f"The last good checkpoint, {last_ckpt}, is intact (resume with --resume). "
+                   if last_ckpt else "No checkpoint was saved yet (use --save-every N). ")
+                + "Lower --lr, set --grad-clip 1.0, or check the data."
+            )
+        grad_norm = None
+        if cfg.grad_clip:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), cfg.grad_clip))
+        lr_now = _current_lr(r.optimizer)
+        if not cfg.step_in_backward:  # else every parameter was stepped in backward
+            r.optimizer.step()
+        r.scheduler.step()
+        if r.clip_anneal is not None:
+            r.clip_anneal.apply(r.scheduler.last_epoch)
+        r.optimizer.zero_grad(set_to_none=True)
+    return _StepResult(loss_value, grad_norm, lr_now, bool(reduced[1] > 0))
+
+
+def _validate(r: _Run, step: int) -> float:
+    """The validation loss after ``step`` steps, also logged to ``metrics.jsonl``."""
+    val = evaluate(r.model, r.data.validation, batch_size=r.cfg.eval_batch_size, device=r.device,
+                   autocast_dtype=r.amp, ctx=r.dctx)
+    r.log.write({"step": step, "val_loss": val, "val_ppl": _ppl(val)})
+    return val
+
+
+class _Checkpoints:
+    """Saves the whole training state at a step boundary and remembers the
+    newest checkpoint (``last``) and the step it holds (``saved_step``, -1: none)."""
+
+    def __init__(self, r: _Run):
+        self.r = r
+        self.last = r.resumed_from
+        self.saved_step = r.start_step if r.resumed_from is not None else -1
+
+    def save(self, step: int) -> None:
+        from gwt_optim.toolkit import checkpoint as ckpt
+        from gwt_optim.toolkit.distributed import unwrap
+
+        r = self.r
         payload = {
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "data": data.train.state_dict(),
+            "model": unwrap(r.model).state_dict(),
+            "optimizer": r.optimizer.state_dict(),
+            "scheduler": r.scheduler.state_dict(),
+            "data": r.data.train.state_dict(),
             "rng": ckpt.rng_state(),
             "step": step,
         }
-        last_ckpt = ckpt.save_checkpoint(
-            run, step, payload, keep_last=cfg.keep_last, rank=dctx.rank, world_size=dctx.world_size,
-            sharded=cfg.fsdp and dctx.distributed, barrier=dctx.barrier,
-            meta={"optimizer": cfg.optimizer},
+        self.last = ckpt.save_checkpoint(
+            r.folder, step, payload, keep_last=r.cfg.keep_last, rank=r.dctx.rank, world_size=r.dctx.world_size,
+            sharded=r.cfg.fsdp and r.dctx.distributed, barrier=r.dctx.barrier,
+            meta={"optimizer": r.cfg.optimizer},
         )
-        saved_step = step
+        self.saved_step = step
 
-    def run_eval(step: int) -> float:
-        val = evaluate(model, data.validation, batch_size=cfg.eval_batch_size, device=device,
-                       autocast_dtype=amp, ctx=dctx)
-        log.write({"step": step, "val_loss": val, "val_ppl": _ppl(val)})
-        return val
 
-    meter = Throughput(warmup=cfg.timing_warmup, device=device)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = tqdm(total=cfg.steps, initial=start_step, desc=opt_info["name"], unit="step",
-               disable=not (cfg.progress and dctx.is_main), dynamic_ncols=True)
-    model.train()
-    wall0 = time.perf_counter()
-    step = start_step
-    val_loss = None
-    recent: list[float] = []
-    # True from drawing a batch until its step is applied and logged: a
-    # checkpoint taken then would pair the new data position with old weights.
-    in_step = False
-    with _StopOnSignal() as sigint:
-        try:
-            if eval_first:
-                val_loss = run_eval(step)
-            while step < cfg.steps:
-                for cb in callbacks:
-                    cb.on_step_start(step + 1, model)
-                in_step = True
-                batch = shard_rows(data.train.next(cfg.batch_size), dctx)
-                # [loss, stop]: the stop request rides on the loss all-reduce, so every rank
-                # learns of a Ctrl-C or SIGTERM that reached any of them at the same step, for free.
-                reduced = torch.zeros(2, dtype=torch.float64, device=device)
-                with meter.step(tokens_per_step):
-                    for i in range(accum):
-                        x = batch[i * micro : (i + 1) * micro].to(device, non_blocking=True)
-                        with _no_sync(model, last=i == accum - 1), _autocast(device, amp):
-                            loss = model(input_ids=x, labels=x).loss / accum
-                            # backward steps in that mode: a bad loss must stop before it
-                            if not (cfg.step_in_backward and not torch.isfinite(loss)):
-                                loss.backward()
-                        reduced[0] += loss.detach().double()
-                    reduced[1] = float(sigint.requested)
-                    all_reduce(reduced, dctx)
-                    loss_value = float(reduced[0]) / dctx.world_size
-                    stop = bool(reduced[1] > 0)
-                    if not math.isfinite(loss_value):
-                        raise NonFiniteLossError(
-                            f"training loss is {loss_value} at step {step + 1}; stopped before applying it. "
-                            + (f"The last good checkpoint, {last_ckpt}, is intact (resume with --resume). "
-                               if last_ckpt else "No checkpoint was saved yet (use --save-every N). ")
-                            + "Lower --lr, set --grad-clip 1.0, or check the data."
-                        )
-                    grad_norm = None
-                    if cfg.grad_clip:
-                        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-                    lr_now = _current_lr(optimizer)
-                    if not cfg.step_in_backward:  # else every parameter was stepped in backward
-                        optimizer.step()
-                    scheduler.step()
-                    if clip_anneal is not None:
-                        clip_anneal.apply(scheduler.last_epoch)
-                    optimizer.zero_grad(set_to_none=True)
-                step += 1
-                record = {"step": step, "loss": loss_value, "lr": lr_now, "tokens": step * tokens_per_step,
-                          "ms": 1000 * meter.last_seconds, "tokens_per_s": tokens_per_step / meter.last_seconds}
-                if grad_norm is not None:
-                    record["grad_norm"] = grad_norm
-                log.write(record)
-                in_step = False
-                recent = (recent + [loss_value])[-10:]
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-                for cb in callbacks:
-                    cb.on_step_end(step, record)
-                # Before this step's evaluation: a launcher's grace period (torchrun's 30 s) may not
-                # cover one. One process reads its own flag, which may have been set after the reduction.
-                if (stop if dctx.distributed else sigint.requested) and step < cfg.steps:
-                    raise sigint.stopped()
-                if _is_eval_step(step, cfg):
-                    val_loss = run_eval(step)
-                    if dctx.is_main:
-                        bar.write(f"step {step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
-                if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                    save(step)
-        except KeyboardInterrupt:
-            if in_step:
-                if dctx.is_main:
-                    kept = f"the last checkpoint, {last_ckpt}, is intact" if last_ckpt else "no checkpoint was saved"
-                    print(f"\ninterrupted mid-step: nothing saved; {kept}", file=sys.stderr)
-            elif step > start_step:
-                if saved_step != step:
-                    save(step)
-                if dctx.is_main:
-                    print(f"\ninterrupted: checkpoint of step {step} saved in {last_ckpt}; continue with --resume",
-                          file=sys.stderr)
-            raise
-        finally:
-            bar.close()
-            log.close()
+# --------------------------------------------------------------------------- #
+# The loop
+# --------------------------------------------------------------------------- #
 
-        # A signal from here on waits for the finished run to be evaluated and saved.
-        val_loss = run_eval(step)
-        # Bytes are measured after training, when every state tensor exists.
-        sbytes = torch.tensor([state_bytes(optimizer)], dtype=torch.float64, device=device)
+
+class _Loop:
+    """Steps a set-up run to its end, or to a stop on a signal (saved at the
+    step boundary), then makes the final validation, checkpoint and summary."""
+
+    def __init__(self, r: _Run, callbacks: list[Callback]):
+        from tqdm.auto import tqdm
+
+        from gwt_optim.toolkit.metrics import Throughput
+
+        self.r, self.callbacks = r, callbacks
+        self.checkpoints = _Checkpoints(r)
+        self.meter = Throughput(warmup=r.cfg.timing_warmup, device=r.device)
+        self.bar = tqdm(total=r.cfg.steps, initial=r.start_step, desc=r.opt_info["name"], unit="step",
+                        disable=not (r.cfg.progress and r.dctx.is_main), dynamic_ncols=True)
+        self.step = r.start_step
+        self.recent: list[float] = []  # the last ten steps' losses
+        # True from drawing a batch until its step is applied and logged: a
+        # checkpoint taken then would pair the new data position with old weights.
+        self.in_step = False
+
+    def run(self) -> dict[str, Any]:
+        from gwt_optim.toolkit.metrics import atomic_write_json
+
+        self.r.model.train()
+        wall0 = time.perf_counter()
+        with _StopOnSignal() as sigint:
+            try:
+                self._steps(sigint)
+            except KeyboardInterrupt:
+                self._save_on_stop()
+                raise
+            finally:
+                self.bar.close()
+                self.r.log.close()
+            # A signal from here on waits for the finished run to be evaluated and saved.
+            final = self._finish()
+        summary = self._summary(final, wall_s=time.perf_counter() - wall0)
+        if self.r.dctx.is_main:
+            atomic_write_json(self.r.folder / "summary.json", summary)
+        return summary
+
+    def _steps(self, sigint: "_StopOnSignal") -> None:
+        from gwt_optim.toolkit.distributed import shard_rows
+
+        r, cfg = self.r, self.r.cfg
+        if r.eval_first:
+            _validate(r, self.step)
+        while self.step < cfg.steps:
+            for cb in self.callbacks:
+                cb.on_step_start(self.step + 1, r.model)
+            self.in_step = True
+            batch = shard_rows(r.data.train.next(cfg.batch_size), r.dctx)
+            result = _train_step(r, batch, sigint, self.meter, step=self.step, last_ckpt=self.checkpoints.last)
+            self.step += 1
+            self._log_step(result)
+            # Before this step's evaluation: a launcher's grace period (torchrun's 30 s) may not
+            # cover one. One process reads its own flag, which may have been set after the reduction.
+            if (result.stop if r.dctx.distributed else sigint.requested) and self.step < cfg.steps:
+                raise sigint.stopped()
+            if _is_eval_step(self.step, cfg):
+                val_loss = _validate(r, self.step)
+                if r.dctx.is_main:
+                    self.bar.write(f"step {self.step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                self.checkpoints.save(self.step)
+
+    def _log_step(self, result: _StepResult) -> None:
+        """Write the finished step's record, advance the bar, call ``on_step_end``."""
+        step, tokens_per_step, seconds = self.step, self.r.tokens_per_step, self.meter.last_seconds
+        record = {"step": step, "loss": result.loss, "lr": result.lr, "tokens": step * tokens_per_step,
+                  "ms": 1000 * seconds, "tokens_per_s": tokens_per_step / seconds}
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        self.r.log.write(record)
+        self.in_step = False
+        self.recent = (self.recent + [result.loss])[-10:]
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        for cb in self.callbacks:
+            cb.on_step_end(step, record)
+
+    def _save_on_stop(self) -> None:
+        """On KeyboardInterrupt: save the last finished step unless the stop came mid-step."""
+        is_main, last = self.r.dctx.is_main, self.checkpoints.last
+        if self.in_step:
+            if is_main:
+                kept = f"the last checkpoint, {last}, is intact" if last else "no checkpoint was saved"
+                print(f"\ninterrupted mid-step: nothing saved; {kept}", file=sys.stderr)
+        elif self.step > self.r.start_step:
+            if self.checkpoints.saved_step != self.step:
+                self.checkpoints.save(self.step)
+            if is_main:
+                print(f"\ninterrupted: checkpoint of step {self.step} saved in {self.checkpoints.last}; "
+                      "continue with --resume", file=sys.stderr)
+
+    def _finish(self) -> dict[str, Any]:
+        """The final validation and checkpoint, and the memory figures; measured
+        after training, when every state tensor exists."""
+        from gwt_optim.toolkit.distributed import all_reduce
+        from gwt_optim.toolkit.metrics import peak_rss_bytes, state_bytes
+
+        r = self.r
+        val_loss = _validate(r, self.step)
+        sbytes = torch.tensor([state_bytes(r.optimizer)], dtype=torch.float64, device=r.device)
         per_rank_state = int(sbytes.item())
-        all_reduce(sbytes, dctx)
-        rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=device)
-        all_reduce(rss, dctx, op=torch.distributed.ReduceOp.MAX)
-        save(step)
-    summary = {
-        "optimizer": cfg.optimizer,
-        "optimizer_name": opt_info["name"],
-        "lr": opt_info["lr"],
-        "scale": opt_info["scale"],
-        "options": opt_info["options"],
-        "val_loss": val_loss,
-        "val_ppl": _ppl(val_loss),
-        "train_loss": sum(recent) / len(recent) if recent else None,
-        "state_bytes": int(sbytes.item()),
-        "state_bytes_per_rank": per_rank_state,
-        "peak_rss_bytes": int(rss.item()),
-        "peak_gpu_bytes": cuda_peak_bytes(device),
-        "ms_per_step": meter.ms_per_step,
-        "tokens_per_s": meter.tokens_per_s,
-        "steps": step,
-        "tokens": step * tokens_per_step,
-        "epochs": data.train.epochs_done,
-        "params": n_params,
-        "model": cfg.model,
-        "data": cfg.data,
-        "seed": cfg.seed,
-        "world_size": dctx.world_size,
-        "fsdp": cfg.fsdp,
-        "wall_s": time.perf_counter() - wall0,
-        "data_info": data.info,
-    }
-    if dctx.is_main:
-        atomic_write_json(run / "summary.json", summary)
-    return summary
+        all_reduce(sbytes, r.dctx)
+        rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64, device=r.device)
+        all_reduce(rss, r.dctx, op=torch.distributed.ReduceOp.MAX)
+        self.checkpoints.save(self.step)
+        return {"val_loss": val_loss, "state_bytes": int(sbytes.item()), "state_bytes_per_rank": per_rank_state,
+                "peak_rss_bytes": int(rss.item())}
+
+    def _summary(self, final: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
+        """``summary.json``: what ``compare`` and ``report`` tabulate."""
+        from gwt_optim.toolkit.metrics import cuda_peak_bytes
+
+        r, cfg, step = self.r, self.r.cfg, self.step
+        return {
+            "optimizer": cfg.optimizer,
+            "optimizer_name": r.opt_info["name"],
+            "lr": r.opt_info["lr"],
+            "scale": r.opt_info["scale"],
+            "options": r.opt_info["options"],
+            "val_loss": final["val_loss"],
+            "val_ppl": _ppl(final["val_loss"]),
+            "train_loss": sum(self.recent) / len(self.recent) if self.recent else None,
+            "state_bytes": final["state_bytes"],
+            "state_bytes_per_rank": final["state_bytes_per_rank"],
+            "peak_rss_bytes": final["peak_rss_bytes"],
+            "peak_gpu_bytes": cuda_peak_bytes(r.device),
+            "ms_per_step": self.meter.ms_per_step,
+            "tokens_per_s": self.meter.tokens_per_s,
+            "steps": step,
+            "tokens": step * r.tokens_per_step,
+            "epochs": r.data.train.epochs_done,
+            "params": r.n_params,
+            "model": cfg.model,
+            "data": cfg.data,
+            "seed": cfg.seed,
+            "world_size": r.dctx.world_size,
+            "fsdp": cfg.fsdp,
+            "wall_s": wall_s,
+            "data_info": r.data.info,
+        }
