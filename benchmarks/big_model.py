@@ -17,6 +17,14 @@ exact shape) with
   embeddings, head and norms in the same optimizer at level 0 (plain AdamW
   math) with 8-bit moments for the two matrices (vectors keep fp32 moments).
 
+* glibc's mmap threshold fixed at 128 KiB (``--default-malloc`` leaves it
+  sliding): every tensor of that size or more is its own mapping, returned
+  when freed. By default glibc raises the threshold up to 32 MB, tensors
+  under it live in the heap, and the moments made in the first step among
+  freed temporaries keep the heap's freed pages resident: 1.8-2.0 GB of
+  slack at llama_1b's peak, the 7B command's growth from 18.6 to 20.7 GiB
+  (docs/results/memory-trace-cpu.md).
+
 Before building anything it prints the estimate (:func:`gwt_optim.memory.training_estimate`
 plus this process's measured baseline) and refuses, with exit status 2, when
 that exceeds the memory available (``--memory-limit-gb``, default: what the
@@ -25,13 +33,17 @@ machine has available now; a 24 GiB cap on CUDA through
 7B gets its estimate and a refusal, not an OOM kill.
 
 Writes ``{"peak_rss_bytes", "peak_gpu_bytes", "estimate_bytes", "losses",
-"step_seconds", ...}`` to ``--json`` and prints the per-part breakdown.
+"step_seconds", "phases", ...}`` to ``--json`` and prints the per-part
+breakdown and the peak RSS by phase (the model's build, each forward, each
+backward with its parameter steps: ``benchmarks/_memtrace.py``; every
+parameter step's row with ``--trace-json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -39,6 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _memtrace import MemTrace, attach, attach_after, fix_mmap_threshold  # noqa: E402
 
 GIB = 1 << 30
 
@@ -70,27 +85,6 @@ def _available_bytes() -> int:
     return limit
 
 
-def _reset_peak_rss() -> bool:
-    """Restart the kernel's peak-RSS counter (VmHWM), so the training peak is
-    not the data loading's; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_since_reset() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama_7b", help="shipped config or local HF config/directory")
@@ -113,6 +107,10 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--default-malloc", dest="fixed_mmap", action="store_false",
+                   help="keep glibc's sliding mmap threshold (RSS then holds freed heap pages; see the docstring)")
+    p.add_argument("--trace-json", default=None,
+                   help="write every phase's peak RSS here (each forward, autograd stretch and parameter step)")
     return p.parse_args(argv)
 
 
@@ -145,6 +143,14 @@ def _table(rows: list[tuple[str, int | None, int | None]]) -> str:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    # Before torch allocates: every block of 128 KiB or more gets its own
+    # mapping, returned to the kernel when freed. glibc's default raises that
+    # threshold (up to 32 MB) each time a large block is freed, and blocks
+    # under it live in the heap, where the moments made in the first step and
+    # the activations, among freed temporaries, keep freed pages resident: 1.8
+    # GB of llama_1b's peak (docs/results/memory-trace-cpu.md).
+    # (A MALLOC_MMAP_THRESHOLD_ in the environment has set it already.)
+    fixed_mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_") or (fix_mmap_threshold() if args.fixed_mmap else False)
     import torch
 
     from gwt_optim.toolkit.metrics import current_rss_bytes, peak_rss_bytes
@@ -232,7 +238,8 @@ def main(argv=None) -> int:
     from gwt_optim.toolkit.models import build_model, enable_gradient_checkpointing
     from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
 
-    reset = _reset_peak_rss()
+    trace = MemTrace()  # restarts the peak-RSS counter: the training peak is not the data loading's
+    trace.mark("build")
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     model = build_model(args.model, pretrained=args.pretrained, dtype=dtype, device=device,
@@ -247,8 +254,10 @@ def main(argv=None) -> int:
 
     bar = tqdm(total=args.steps * len(params), unit="param", desc="stepping", disable=not args.progress,
                dynamic_ncols=True)
+    marks = attach(trace, model, params)  # before the stepping hooks: a step's mark precedes it
     if args.in_backward:
         handle = step_in_backward(optimizer)
+        marks += attach_after(trace, params)
 
         def tick(_param) -> None:
             # Not `lambda p: bar.update(1)`: tqdm's update returns whether it redrew,
@@ -279,14 +288,18 @@ def main(argv=None) -> int:
         losses.append(loss.item())
         del loss
     bar.close()
+    trace.mark(None)
     if args.in_backward:
         handle.remove()
         for t in ticks:
             t.remove()
+    for m in marks:
+        m.remove()
 
     state = optimizer_state_bytes(optimizer)
-    peak_rss = peak_rss_bytes()  # the whole process's
-    train_peak = _peak_rss_since_reset() if reset else peak_rss  # from the model's build on
+    # The whole process's: the kernel's own maximum forgets what the trace's resets cleared.
+    peak_rss = max(peak_rss_bytes(), trace.before, trace.peak())
+    train_peak = trace.peak() if trace.enabled else peak_rss  # from the model's build on
     peak_gpu = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     measured_peak = peak_gpu if device.type == "cuda" else train_peak
     print(f"\nlosses: {', '.join(f'{v:.4f}' for v in losses)}; seconds per step: "
@@ -307,6 +320,9 @@ def main(argv=None) -> int:
     if predicted:
         print(f"measured / predicted peak: {measured_peak / predicted:.3f}")
     print(f"peak RSS of the whole process: {peak_rss / GIB:.2f} GiB ({peak_rss / 1e9:.2f} GB)")
+    if trace.enabled:
+        print("\nby phase (GiB; a phase's transient is its peak over the RSS at its start):")
+        print(trace.table())
 
     result = {
         "peak_rss_bytes": peak_rss,
@@ -332,10 +348,15 @@ def main(argv=None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "data": data_info,
         "build_seconds": build_s,
+        "malloc_mmap_threshold_fixed": fixed_mmap,
+        "phases": trace.summary(),
+        "largest_steps": trace.largest_steps(6),
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.trace_json:
+        trace.dump(args.trace_json)
     return 0
 
 
