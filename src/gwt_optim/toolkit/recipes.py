@@ -56,7 +56,7 @@ DEMO: dict[str, Any] = {
 DEMO_SETTING: dict[str, Any] = {**DEMO, "data": "pysrc-small", "grad_clip": 1.0, "seed": 1}  # seed 1: tuned at 0
 
 # Matrix lrs: each optimizer's best in the protocol run in DEMO_SETTING itself (benchmarks/quality.py
-# --budget 819200 --data pysrc-small ..., the README's "The demo"; tuning seed 0, every best inside its
+# --budget 819200 --data pysrc-small ..., docs/benchmarks.md, "The demo"; tuning seed 0, every best inside its
 # grid), with the regular lr 3e-3 for everyone and beta2 0.95, AdamW's best of {0.95, 0.999}, for
 # every run. The second row freezes AdamW's matrices (lr 1e-9: TrainConfig wants lr > 0), so the table
 # shows what trained matrices are worth here (gate (b) of issue 18: at least 0.1 nats). GWT-AdamW runs
