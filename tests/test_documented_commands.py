@@ -125,7 +125,7 @@ COMMANDS: dict[str, str] = {
     "python benchmarks/quality.py --budget 16M --tune-steps 1000 --data pysrc --jobs 2 --threads 1 "
     "--resume --out runs/budget":  # the 50M-token corpus is replaced by the small one, each grid by one lr
         "slow: python benchmarks/quality.py --budget 512 --tune-steps 2 --data {texts} --jobs 2 "
-        "--threads 1 --resume --out {tmp}/budget --model {tiny_llama} --vocab-size 320 --seq-len 32 "
+        "--threads 1 --resume --out {runs}/budget --model {tiny_llama} --vocab-size 320 --seq-len 32 "
         "--tokens-per-step 128 --val-tokens 256 --evals 2 --beta2s 0.95 --report-seeds 1 --plot {tmp}/lvt.png "
         "--grid adamw=3e-3 --grid gwt-adamw:level=2=3e-3 --grid gwt-adamw:level=2:detail_clip=none=3e-3 "
         "--grid muon=1e-2 --grid gwt-muon:level=2=3e-2",
@@ -133,13 +133,15 @@ COMMANDS: dict[str, str] = {
     "--contenders adamw,gwt-adamw:level=2,galore:rank=32,muon,gwt-muon:level=2 --grid adamw=3e-5,1e-4,3e-4,1e-3 "
     "--grid gwt-adamw:level=2=3e-4,1e-3,3e-3 --grid galore:rank=32=3e-5,1e-4,3e-4,1e-3,3e-3,1e-2 "
     "--grid muon=1e-3,3e-3,1e-2,3e-2,1e-1 --grid gwt-muon:level=2=3e-3,1e-2,3e-2,1e-1 --report-seeds 1 --jobs 2 "
-    "--threads 1 --resume --out runs/demo-protocol --plot ''":  # the demo's protocol: the corpus and grids shrunk
+    "--threads 1 --resume --out runs/demo-protocol --plot ''":
+        # the demo's protocol: the corpus and grids shrunk, and into the folder of the row above, as --resume
+        # allows, so the runs the two protocols share (4 of 5 contenders' tuning and reporting runs, and
+        # the frozen-matrix run) train once
         "slow: python benchmarks/quality.py --budget 512 --data {texts} --val-tokens 256 --evals 2 --gate-nats 0.1 "
         "--contenders adamw,gwt-adamw:level=2,galore:rank=32,muon,gwt-muon:level=2 --grid adamw=3e-3 "
         "--grid gwt-adamw:level=2=3e-3 --grid galore:rank=32=3e-3 --grid muon=1e-2 --grid gwt-muon:level=2=3e-2 "
-        "--report-seeds 1 --jobs 2 --threads 1 --resume --out {tmp}/demo-protocol --plot {tmp}/demo-lvt.png "
-        "--model {tiny_llama} "
-        "--vocab-size 320 --seq-len 32 --tokens-per-step 128 --beta2s 0.95",
+        "--report-seeds 1 --jobs 2 --threads 1 --resume --out {runs}/budget --plot {tmp}/demo-lvt.png "
+        "--model {tiny_llama} --vocab-size 320 --seq-len 32 --tokens-per-step 128 --beta2s 0.95 --tune-steps 2",
     "python benchmarks/regime.py --plot-only --out runs/quality":
         "python benchmarks/regime.py --plot-only --out {runs}/quality --plot {tmp}/gap-vs-batch.png",
     # docs/families.md
@@ -472,7 +474,12 @@ def _slow(documented: str) -> bool:
 
 def _params():
     for documented in COMMANDS:
-        yield pytest.param(documented, marks=[pytest.mark.slow] if _slow(documented) else [], id=_ident(documented))
+        marks = [pytest.mark.slow] if _slow(documented) else []
+        if _shared_folders(_smoke(documented)):
+            # A row that shares {runs} waits for its writer; in one xdist group (pyproject's
+            # `--dist loadgroup`) the writer runs first on the same worker instead of a worker idling on its lock.
+            marks.append(pytest.mark.xdist_group("documented-runs"))
+        yield pytest.param(documented, marks=marks, id=_ident(documented))
 
 
 @pytest.mark.parametrize("documented", _params())
