@@ -474,12 +474,7 @@ def _slow(documented: str) -> bool:
 
 def _params():
     for documented in COMMANDS:
-        marks = [pytest.mark.slow] if _slow(documented) else []
-        if _shared_folders(_smoke(documented)):
-            # A row that shares {runs} waits for its writer; in one xdist group (pyproject's
-            # `--dist loadgroup`) the writer runs first on the same worker instead of a worker idling on its lock.
-            marks.append(pytest.mark.xdist_group("documented-runs"))
-        yield pytest.param(documented, marks=marks, id=_ident(documented))
+        yield pytest.param(documented, marks=[pytest.mark.slow] if _slow(documented) else [], id=_ident(documented))
 
 
 @pytest.mark.parametrize("documented", _params())
