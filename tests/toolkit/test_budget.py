@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -298,12 +299,15 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
     # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet.
-    # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1.
+    # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1; the lr
+    # grid's runs keep their folders, so a copy of the tuning above is reused, not run again.
     tuned = tmp_path / "tuned"
-    only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only", "--weight-decays", "0,0.1"],
+    shutil.copytree(out / "tune", tuned / "tune")
+    only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only", "--weight-decays", "0,0.1",
+                                      "--resume"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert only.returncode == 1, only.stdout[-2000:] + only.stderr[-2000:]  # 1: the budget is not done
-    assert not (tuned / "report").exists() and "'ran': 5" in only.stdout
+    assert not (tuned / "report").exists() and "'ran': 2, 'reused': 3" in only.stdout, only.stdout[-2000:]
     md = (tuned / "budget.md").read_text()
     assert "not run yet" in md and "not reached" not in md and "< 1x" not in md
     assert md.count("weight decay at lr") == 2
