@@ -37,3 +37,17 @@ def terminal_signals():
         for sig, handler in previous.items():
             if handler is not None:  # None: a handler installed outside Python, which cannot be put back
                 signal.signal(sig, handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that wait on another test's output run last.
+
+    A test that reads what a slow test writes into a session-wide folder
+    (``{runs}`` in tests/test_documented_commands.py) blocks its pytest-xdist
+    worker on that test's lock if it is handed out early: one core then idles
+    for as long as the writer runs (about 45 s for the demo's ``report``).
+    Handed out last, it finds the writer done. Sorting is stable, so the order
+    is otherwise the files' own, and it is the same in every worker, as xdist
+    requires. (Starting the slow tests first was tried: it pairs tests that
+    mostly wait on signals and rendezvous, and the suite took 100 s longer.)"""
+    items.sort(key=lambda item: item.get_closest_marker("reads_shared") is not None)

@@ -161,8 +161,8 @@ COMMANDS: dict[str, str] = {
     "gwt-optim finetune glue --tasks cola,stsb,mnli --model path/to/encoder --data-dir path/to/glue":
         "slow: gwt-optim finetune glue --tasks cola,stsb,mnli --model {tiny_roberta} --data-dir {glue_data} "
         f"{_GLUE} --out {{tmp}}/glue",
-    # the default keeps its process per (method, lr), the other two train in one process
-    "gwt-optim finetune lm": f"slow: gwt-optim finetune lm {_LM} --seq-len 16 --out {{tmp}}/lm",
+    # one process for every run (tests/toolkit/test_finetune_faults.py runs the process per run, the default)
+    "gwt-optim finetune lm": f"slow: gwt-optim finetune lm {_LM} --seq-len 16 --isolate no --out {{tmp}}/lm",
     "gwt-optim finetune lm --data my.txt":
         f"gwt-optim finetune lm --data {{my_txt}} {_LM} --seq-len 16 --isolate no --out {{tmp}}/lm",
     "gwt-optim finetune lm --data alpaca.json":  # 96 tokens: the Alpaca prompt and a response fit
@@ -474,7 +474,10 @@ def _slow(documented: str) -> bool:
 
 def _params():
     for documented in COMMANDS:
-        yield pytest.param(documented, marks=[pytest.mark.slow] if _slow(documented) else [], id=_ident(documented))
+        smoke = COMMANDS[documented].removeprefix("slow:")
+        reads = any(_writer(name) != documented for name in _shared_folders(smoke))
+        marks = [pytest.mark.slow] * _slow(documented) + [pytest.mark.reads_shared] * reads
+        yield pytest.param(documented, marks=marks, id=_ident(documented))
 
 
 @pytest.mark.parametrize("documented", _params())

@@ -42,6 +42,7 @@ RUNTIME_ALLOWANCE = 20e6
 STEP_MARGIN = 0.10
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 def test_in_backward_step_peak_stays_within_its_prediction(tmp_path):
     config = tmp_path / "config.json"

@@ -87,6 +87,7 @@ def _bench(tmp_path, *args):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

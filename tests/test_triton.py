@@ -40,6 +40,7 @@ else:
 needs_triton = pytest.mark.skipif(not CHILD, reason="runs in test_kernels_in_the_interpreter's child process")
 
 
+@pytest.mark.slow
 def test_kernels_in_the_interpreter():
     if CHILD:
         pytest.skip("this is the child run")

@@ -263,6 +263,7 @@ _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 
             "grad_clip": 1.0, "weight_decay": 0.0, "precision": "fp32", "device": "cpu"}
 
 
+@pytest.mark.slow
 def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     out = tmp_path / "budget"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--budget", "512", "--data", corpus,

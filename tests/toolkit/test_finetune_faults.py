@@ -132,6 +132,7 @@ def _kill_leftovers(pids) -> None:
 # ------------------------------------------------------------------ signals to an isolated finetune lm
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_worker_and_keeps_the_finished_run(tiny_llama, tmp_path, capsys):
     out, log = tmp_path / "out", tmp_path / "log.txt"
     # The first run diverges within a few steps and is recorded; the second would train for hours.

@@ -208,6 +208,7 @@ def _start_compare(tiny_model, corpus, out: Path) -> tuple[subprocess.Popen, int
     return parent, children[0]
 
 
+@pytest.mark.slow
 def test_sigterm_to_compare_stops_and_saves_its_child(tiny_model, corpus, tmp_path, capsys):
     out = tmp_path / "cmp"
     parent, child = _start_compare(tiny_model, corpus, out)
