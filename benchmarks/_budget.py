@@ -95,6 +95,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "lr grid's, each other one runs once at the contender's best lr on the tuning seeds, and "
                         "the contender reports at its best (lr, wd). Every group of a run gets it, as "
                         "--weight-decay does (default 0: no weight-decay axis)")
+    g.add_argument("--extend-edges", type=int, default=0, metavar="N",
+                   help="when a contender's best lr lands on its grid's edge, tune one more lr beyond that edge "
+                        "(the grid's own ratio there), up to N times per contender, so that gate (a) can pass "
+                        "without a new call (default 0: the grid as given)")
     g.add_argument("--beta2", type=float,
                    help="beta2 of every contender but AdamW, fixed now (default: AdamW's best, so they wait for it)")
     g.add_argument("--tune-steps", type=int, help="steps of a tuning run (default: the budget's)")
@@ -266,8 +270,19 @@ class Budget:
 
     def tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
              futs: dict | None = None) -> dict[str, Any]:
-        futs = futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds)
-        res = {k: f.result() for k, f in futs.items()}
+        """The lr x beta2 grid on the tuning seeds, extended beyond an edge that wins (``--extend-edges``)."""
+        futs = dict(futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds))
+        lrs, extended = sorted(lrs), 0
+        while True:
+            t = self._tuned(label, lrs, beta2s, seeds, {k: f.result() for k, f in futs.items()})
+            if not t["edge"] or extended == self.args.extend_edges:
+                return {**t, "extended": extended}
+            new = beyond_edge(lrs, t["best_lr"])
+            futs.update(self.submit_tune(label, [new], beta2s, seeds))
+            lrs, extended = sorted(lrs + [new]), extended + 1
+
+    @staticmethod
+    def _tuned(label: str, lrs: list[float], beta2s: list[float], seeds: list[int], res: dict) -> dict[str, Any]:
         grid = {b2: {lr: P.mean_std([res[(b2, lr, s)]["val_loss"] for s in seeds])[0] for lr in lrs}
                 for b2 in beta2s}
         ok = [(m, lr, b2) for b2, row in grid.items() for lr, m in row.items() if m is not None]
@@ -296,6 +311,14 @@ class Budget:
         states = [r["state_bytes"] for r in runs if r.get("state_bytes")]
         return {"lr": lr, "beta2": beta2, "weight_decay": wd, "runs": runs, "mean": m, "std": sd,
                 "n": sum(P.finite(r["val_loss"]) for r in runs), "state_bytes": states[0] if states else None}
+
+
+def beyond_edge(lrs: list[float], edge: float) -> float:
+    """The next lr past ``edge`` (the sorted grid's first or last) at the grid's own ratio there, to 2
+    significant digits: 1e-3,2e-3,4e-3 -> 8e-3 above, 5e-4 below; 1e-3,3e-3,1e-2 -> 3.3e-2 above."""
+    if edge == lrs[-1]:
+        return float(f"{lrs[-1] * lrs[-1] / lrs[-2]:.2g}")
+    return float(f"{lrs[0] * lrs[0] / lrs[1]:.2g}")
 
 
 def gate_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
@@ -590,6 +613,8 @@ def render(report: dict[str, Any]) -> str:
                         for k, v in t["wd_grid"].items()]
             lines += ["", f"weight decay at lr {P.fmt_lr(t['best_lr'])}: " + ", ".join(
                 f"{k}: {c}" for k, c in zip(t["wd_grid"], wd_cells))]
+        if t.get("extended"):
+            lines += ["", f"lr grid extended {t['extended']} time(s) beyond the edge its best sat on (--extend-edges)"]
         lines.append("")
     lines += ["## At the budget (reporting seeds)", "",
               "| optimizer | matrix lr | weight decay | val loss (mean ± std) | Δ vs AdamW (paired, ± 95% t) | "
@@ -762,6 +787,8 @@ def main(argv: list[str] | None, description: str) -> int:
     try:
         parse_tokens(args.budget)
         grids_of(args)
+        if args.extend_edges < 0:
+            raise ValueError(f"--extend-edges {args.extend_edges}: how many lrs to add past a winning edge, >= 0")
         gate_seeds_of(args.gate_seeds, P.ints(args.report_seeds))
         weight_decays_of(args.weight_decays, args.weight_decay)
         match_fractions_of(args.match_budgets)

@@ -45,7 +45,7 @@ export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
 # at 8K tokens per step in the CPU tuning (docs/results/budget-cpu.md); AdamW still tunes both rows.
 # shellcheck disable=SC2086  # GRIDS and EXTRA are lists of flags
 "$PY" benchmarks/quality.py --budget "$BUDGET" --device "$DEVICE" --jobs "$JOBS" --threads 1 --beta2 0.999 \
-  --weight-decays "$WDS" --report-seeds "$SEEDS" $GRIDS \
+  --weight-decays "$WDS" --report-seeds "$SEEDS" --extend-edges 2 $GRIDS \
   --deadline "$DEADLINE" --resume --out "$WORK" --plot "" $EXTRA 2>&1 | tee "$OUT/log.txt"
 rc=${PIPESTATUS[0]}
 cp "$WORK"/budget.md "$WORK"/budget.json "$WORK"/loss-vs-tokens.png "$OUT"/ 2>/dev/null

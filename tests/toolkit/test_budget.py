@@ -259,6 +259,39 @@ def test_t_interval_and_the_weight_decay_axis():
             B.weight_decays_of(bad, base)
 
 
+def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
+    import math
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    assert B.beyond_edge([1e-3, 2e-3, 4e-3], 4e-3) == 8e-3 and B.beyond_edge([1e-3, 2e-3, 4e-3], 1e-3) == 5e-4
+    assert B.beyond_edge([1e-3, 3e-3, 1e-2], 1e-2) == 3.3e-2
+
+    class Pool:  # a tuning run's final loss is a parabola in log lr around `best`: what a grid would measure
+        def __init__(self, best):
+            self.best, self.ran = best, []
+
+        def submit(self, job):
+            self.ran.append(job.lr)
+            done = Future()
+            done.set_result({"val_loss": 2.5 + math.log(job.lr / self.best) ** 2, "status": "ok"})
+            return done
+
+    def tune(best, extend):
+        b = object.__new__(B.Budget)
+        b.args, b.T, b.R, b.tuner = SimpleNamespace(extend_edges=extend), 128, 3e-3, Pool(best)
+        return b.tune("adamw", [1e-3, 2e-3, 4e-3], [0.999], [0]), b.tuner.ran
+
+    t, ran = tune(9e-3, 2)  # past the top edge: one more lr (8e-3), then 1.6e-2 shows that 8e-3 is inside
+    assert ran == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2] and t["best_lr"] == 8e-3 and not t["edge"] and t["extended"] == 2
+    assert list(t["grid"]["0.999"]) == [B.P.fmt_lr(x) for x in (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)]
+    t, ran = tune(1e-4, 1)  # below the grid and only one extension allowed: still on the edge, and it says so
+    assert ran == [1e-3, 2e-3, 4e-3, 5e-4] and t["best_lr"] == 5e-4 and t["edge"] and t["extended"] == 1
+    t, ran = tune(2e-3, 3)  # inside: nothing added
+    assert ran == [1e-3, 2e-3, 4e-3] and t["best_lr"] == 2e-3 and t["extended"] == 0
+    assert tune(9e-3, 0)[0]["edge"]  # the default: the grid as given
+
+
 _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 0, "min_lr_ratio": 0.1,
             "grad_clip": 1.0, "weight_decay": 0.0, "precision": "fp32", "device": "cpu"}
 
