@@ -321,6 +321,12 @@ def beyond_edge(lrs: list[float], edge: float) -> float:
     return float(f"{lrs[0] * lrs[0] / lrs[1]:.2g}")
 
 
+def _gate_a_word(ok: bool | None, t: dict[str, Any]) -> str:
+    if ok is None:
+        return "one lr, not tuned here" if len(t.get("lrs") or []) == 1 and t.get("best_lr") else "not tuned yet"
+    return "pass" if ok else "**FAIL** (edge)"
+
+
 def gate_seeds_of(text: str | None, report_seeds: list[int]) -> list[int]:
     """``--gate-seeds``: None -> the first reporting seed; 'none' -> no frozen run this call."""
     if text is None:
@@ -523,7 +529,9 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
-        "a": {c: None if t.get("best_lr") is None or _missing(t) else not t.get("edge") for c, t in C.items()},
+        # A one-lr "grid" has no edge to fail, and no tuning to pass either: it is not judged.
+        "a": {c: None if t.get("best_lr") is None or _missing(t) or len(t.get("lrs") or []) < 2
+              else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
               "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
               "pass": margin is not None and margin >= gate_nats},
@@ -659,7 +667,7 @@ def render(report: dict[str, Any]) -> str:
     ga, gb = g.get("a", {}), g.get("b", {})
     lines += ["", "## Sanity gates", "",
               "(a) best lr inside its grid: " + (", ".join(
-                  f"{c} {'not tuned yet' if ok is None else 'pass' if ok else '**FAIL** (edge)'}"
+                  f"{c} {_gate_a_word(ok, C.get(c, {}))}"
                   for c, ok in ga.items()) or "-"),
               f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
               f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "

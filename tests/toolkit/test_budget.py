@@ -403,3 +403,10 @@ def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
     out["frozen"]["runs"][0]["status"] = "diverged"  # finished, and worse than anything: a failure
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is False and out["gates"]["b"]["ran"] and not out["gates"]["b"]["pass"]
+    # One lr given (a contender reported at a known lr, not tuned in this study): no edge to fail, no grid to pass.
+    out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": 3e-3, "edge": False, "lrs": [3e-3],
+                                 "status": {"0.999:0.003": ["ok"]}}
+    B.analyse(out, 0.3)
+    assert out["gates"]["a"]["muon"] is None
+    assert B._gate_a_word(None, out["contenders"]["muon"]) == "one lr, not tuned here"
+    assert B._gate_a_word(None, {"lrs": [3e-3, 1e-2]}) == "not tuned yet" and B._gate_a_word(False, {}) == "**FAIL** (edge)"

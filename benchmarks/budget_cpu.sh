@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The CPU budget study of docs/results/budget-cpu.md, stages 2-4 in one queue (stage 1, the lr grid alone,
+# is stage 2's first part). Each stage is one `quality.py --budget --resume` call on the same folder, so a
+# queue stopped anywhere (a signal saves every run in flight) and started again goes on where it stopped.
+#
+#   bash benchmarks/budget_cpu.sh OUT [COMMIT]
+#
+# With COMMIT, it runs from a snapshot of that commit (`git archive` into OUT.tree), so that editing the
+# checkout while the queue runs (days, on 2 cores) never changes the code it runs; `--commit` records it.
+# The two jobs run at one thread each and at nice 19. EXTRA (flags, last wins) shrinks it for a rehearsal:
+#   EXTRA="--budget 512 --tune-steps 2 --data tests/data/finetune/lm_text --model M --vocab-size 320
+#          --seq-len 32 --tokens-per-step 128 --val-tokens 256 --evals 2" bash benchmarks/budget_cpu.sh /tmp/b
+set -uo pipefail
+OUT=$(realpath -m "${1:?usage: budget_cpu.sh OUT [COMMIT]}")
+COMMIT=${2:-}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+if [ -n "$COMMIT" ]; then
+  TREE=$(realpath -m "$OUT").tree
+  rm -rf "$TREE" && mkdir -p "$TREE" && git -C "$ROOT" archive "$COMMIT" | tar -x -C "$TREE" || exit 2
+  cd "$TREE" && export PYTHONPATH=$TREE/src
+else
+  cd "$ROOT"
+fi
+stopped=0
+run() {  # one stage; a signal to this script stops the stage (its runs save) and the queue
+  nice -n 19 "$PY" benchmarks/quality.py --budget 16M --beta2s 0.999 --beta2 0.999 --report-seeds 1,2,3,4 \
+    --extend-edges 2 --jobs 2 --threads 1 --resume --out "$OUT" --plot '' ${COMMIT:+--commit "$COMMIT"} "$@" ${EXTRA:-} &
+  local pid=$! rc
+  trap 'stopped=1; kill -TERM "$pid" 2>/dev/null' INT TERM
+  wait "$pid"; rc=$?
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # a trapped signal ends the first wait early
+  trap - INT TERM
+  if [ "$stopped" = 1 ] || [ "$rc" -gt 1 ]; then  # 0: done, 1: done with a gate failing or runs missing
+    echo "budget_cpu.sh: stopped (exit $rc); the same command goes on from here"
+    exit $(( rc > 1 ? rc : 1 ))
+  fi
+}
+GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-3)
+
+# stage 2: AdamW and GWT-AdamW l=2, the lr at the full horizon, then weight decay 0.1 at the best lr, then
+# reporting seeds 1-4 at each best (lr, wd)
+run --contenders adamw,gwt-adamw:level=2 "${GRIDS[@]}" --weight-decays 0,0.1
+
+# stage 3: Muon, GWT-Muon and the paper's update at their 1,000-step lrs; each tries weight decay 0.1 only
+# if it helped AdamW or GWT-AdamW (their family's evidence); stage 4 (AdamW at 0.75x of the budget, the
+# data-to-match ratio) in the same call
+WDS=$("$PY" - "$OUT/budget.json" <<'EOF'
+import json, sys
+C = json.load(open(sys.argv[1]))["budget"]["contenders"]
+print("0,0.1" if any(C.get(c, {}).get("best_wd") == 0.1 for c in ("adamw", "gwt-adamw:level=2")) else "0")
+EOF
+) || exit 2
+run --contenders adamw,gwt-adamw:level=2,muon,gwt-muon:level=2,gwt-adamw:level=2:detail_clip=none \
+  "${GRIDS[@]}" --grid muon=3e-3 --grid gwt-muon:level=2=1e-2 --grid gwt-adamw:level=2:detail_clip=none=1e-3 \
+  --weight-decays "$WDS" --match-budgets 0.75
