@@ -14,14 +14,15 @@ set -uo pipefail
 OUT=$(realpath -m "${1:?usage: budget_cpu.sh OUT [COMMIT]}")
 COMMIT=${2:-}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PYTHON:-$ROOT/.venv/bin/python}
-if [ -n "$COMMIT" ]; then
-  TREE=$(realpath -m "$OUT").tree
+export PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+PY=$PYTHON
+if [ -n "$COMMIT" ] && [ "${GWT_BUDGET_SNAPSHOT:-}" != "$COMMIT" ]; then
+  # bash reads a script as it runs it: the snapshot's own copy of this file runs the queue, not the checkout's
+  TREE=$OUT.tree
   rm -rf "$TREE" && mkdir -p "$TREE" && git -C "$ROOT" archive "$COMMIT" | tar -x -C "$TREE" || exit 2
-  cd "$TREE" && export PYTHONPATH=$TREE/src
-else
-  cd "$ROOT"
+  GWT_BUDGET_SNAPSHOT=$COMMIT PYTHONPATH=$TREE/src exec bash "$TREE/benchmarks/budget_cpu.sh" "$OUT" "$COMMIT"
 fi
+cd "$ROOT"
 stopped=0
 run() {  # one stage; a signal to this script stops the stage (its runs save) and the queue
   nice -n 19 "$PY" benchmarks/quality.py --budget 16M --beta2s 0.999 --beta2 0.999 --report-seeds 1,2,3,4 \
