@@ -606,11 +606,13 @@ def _quiet_import_noise() -> None:
     """transformers imports torchao (for its quantizers), which logs missing
     CUDA kernels on CPU machines and trips torch's pytree deprecation warnings,
     and bitsandbytes logs on import that its CPU 4-bit kernel (which 8-bit Adam
-    never uses) could not be fetched: noise for a training run, so only errors
-    from those loggers are shown."""
+    never uses) could not be fetched; since transformers 5.25 installs the
+    ``kernels`` package, that fetch also logs, offline, that it skipped the
+    kernel's publisher check: noise for a training run, so only errors from
+    those loggers are shown."""
     import logging
 
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
