@@ -474,8 +474,7 @@ def _slow(documented: str) -> bool:
 
 def _params():
     for documented in COMMANDS:
-        smoke = COMMANDS[documented].removeprefix("slow:")
-        reads = any(_writer(name) != documented for name in _shared_folders(smoke))
+        reads = any(_writer(name) != documented for name in _shared_folders(_smoke(documented)))
         marks = [pytest.mark.slow] * _slow(documented) + [pytest.mark.reads_shared] * reads
         yield pytest.param(documented, marks=marks, id=_ident(documented))
 
