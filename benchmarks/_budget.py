@@ -15,7 +15,9 @@ optimizer, alpha 1, the grid value is the matrix lr):
 
 1. AdamW on its lr grid x ``--beta2s`` (tuning seeds, ``--tune-steps``).
 2. Every other contender on its own grid, at AdamW's best beta2 (one beta2
-   for every run keeps the regular parameters' optimizer identical).
+   for every run keeps the regular parameters' optimizer identical). A
+   one-lr grid without a weight-decay axis decides nothing, so it runs no
+   tuning run: the contender reports at that lr ("one lr, not tuned here").
 3. Each contender at its best lr on the reporting seeds at the full budget,
    and AdamW with frozen matrices (matrix lr 1e-9) for sanity gate (b).
 
@@ -87,7 +89,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("contenders and grids")
     g.add_argument("--contenders", default=",".join(DEFAULT_GRIDS), help="specs; AdamW is always the baseline")
     g.add_argument("--grid", action="append", default=[], metavar="SPEC=LR,LR,...",
-                   help="a contender's matrix-lr grid (defaults: " + "; ".join(
+                   help="a contender's matrix-lr grid; one lr: reported at it, untuned (defaults: " + "; ".join(
                        f"{k}={v}" for k, v in DEFAULT_GRIDS.items()) + ")")
     g.add_argument("--beta2s", default=DEFAULT_BETA2S, help=f"AdamW's beta2 grid (default {DEFAULT_BETA2S})")
     g.add_argument("--weight-decays", default="0", metavar="WD,WD,...",
@@ -282,6 +284,14 @@ class Budget:
             lrs, extended = sorted(lrs + [new]), extended + 1
 
     @staticmethod
+    def given(label: str, lr: float, beta2: float) -> dict[str, Any]:
+        """A one-point grid at one weight decay: the lr is given, and a tuning run would decide nothing, so none
+        runs (on the CPU it costs as much as a reporting run)."""
+        return {"label": label, "lrs": [lr], "beta2s": [beta2], "grid": {f"{beta2:g}": {P.fmt_lr(lr): None}},
+                "status": {f"{beta2:g}:{P.fmt_lr(lr)}": ["not run"]}, "best_lr": lr, "best_beta2": beta2,
+                "best_tune_loss": None, "edge": False, "extended": 0}
+
+    @staticmethod
     def _tuned(label: str, lrs: list[float], beta2s: list[float], seeds: list[int], res: dict) -> dict[str, Any]:
         grid = {b2: {lr: P.mean_std([res[(b2, lr, s)]["val_loss"] for s in seeds])[0] for lr in lrs}
                 for b2 in beta2s}
@@ -414,7 +424,9 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             match_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
     try:
-        others = [c for c in grids if c != P.BASELINE]
+        # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
+        given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
+        others = [c for c in grids if c != P.BASELINE and c not in given]
         if args.beta2 is None:  # every other contender waits for AdamW's best beta2
             base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds)
             beta2 = base_t["best_beta2"] if base_t["best_beta2"] is not None else beta2s[0]
@@ -437,6 +449,8 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             return None if wd == wds[0] else wd
 
         def tuned(label: str) -> dict[str, Any]:
+            if label in given:
+                return {**b.given(label, grids[label][0], beta2), "best_wd": wds[0]}
             t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
                                                           pending.get(label))
             if t["best_lr"] is None or len(wds) < 2:

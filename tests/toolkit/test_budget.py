@@ -320,6 +320,11 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     md = (out / "budget.md").read_text()
     assert "Sanity gates" in md and "(b) AdamW's trained matrices" in md and "speedup" in md
     assert "## Data to match" in md
+    # GWT-AdamW's one-lr grid (no weight-decay axis) decides nothing on the tuning seed: no tuning run for it,
+    # and gate (a) says it was not tuned here rather than passing it.
+    assert not [p for p in (out / "tune").rglob("gwt-adamw*") if p.is_dir()]
+    assert C["gwt-adamw:level=2"]["best_lr"] == 3e-3 and C["gwt-adamw:level=2"]["best_tune_loss"] is None
+    assert "one lr, not tuned here" in md
     assert (out / "loss-vs-tokens.png").stat().st_size > 1000
     img = tmp_path / "img" / "loss-vs-tokens.png"
     assert B.main(["--budget", "512", "--progress", "--out", str(out), "--tokens-per-step", "128", "--plot", str(img)],
@@ -327,21 +332,22 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert (out / "progress.png").stat().st_size > 1000 and (img.parent / "budget-progress.png").is_file()
     assert not img.exists()  # the interim picture goes beside the results plot, never over it
     table = B.progress_table(out)  # the interim record: every run folder, finished or not
-    assert table.count("| tune |") == 3 and table.count("| report |") == 3 and "| 4 / 4 |" in table
+    assert table.count("| tune |") == 2 and table.count("| report |") == 3 and "| 4 / 4 |" in table
     # --resume reuses every run
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
     # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet.
-    # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1; the lr
-    # grid's runs keep their folders, so a copy of the tuning above is reused, not run again.
+    # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1 (so the
+    # one-lr grid now runs its lr too, to compare against); the lr grid's runs keep their folders, so a copy
+    # of the tuning above is reused, not run again.
     tuned = tmp_path / "tuned"
     shutil.copytree(out / "tune", tuned / "tune")
     only = subprocess.run(cmd[:-4] + ["--out", str(tuned), "--plot", "", "--tune-only", "--weight-decays", "0,0.1",
                                       "--resume"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert only.returncode == 1, only.stdout[-2000:] + only.stderr[-2000:]  # 1: the budget is not done
-    assert not (tuned / "report").exists() and "'ran': 2, 'reused': 3" in only.stdout, only.stdout[-2000:]
+    assert not (tuned / "report").exists() and "'ran': 3, 'reused': 2" in only.stdout, only.stdout[-2000:]
     md = (tuned / "budget.md").read_text()
     assert "not run yet" in md and "not reached" not in md and "< 1x" not in md
     assert md.count("weight decay at lr") == 2
