@@ -1,6 +1,8 @@
 """GWTAdamW on FSDP2 shards and under DDP (2 CPU processes, gloo) equals a
 single-process run: the transform is local to each row shard and the limiter's
-norms are all-reduced in one collective."""
+norms are all-reduced in one collective. On FSDP2, a run saved halfway with
+``torch.distributed.checkpoint`` (DCP) and resumed in a fresh model and
+optimizer ends bitwise where the uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ WORLD = 2
 # At this step the first weight's gradient holds a NaN in its last row, which
 # only rank 1's FSDP2 shard sees: every rank must skip that weight's update.
 NAN_STEP = 2
+# The DCP checkpoint is taken after this many steps (before the NaN step, so the resumed run meets it).
+SAVE_AFTER = 2
 
 
 def make_model():
@@ -64,12 +68,19 @@ def _worker(rank, store_path, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         for mode in ("fsdp", "ddp"):
-            _train_distributed(rank, mode, os.path.join(out_dir, f"{mode}.pt"))
+            _train_distributed(rank, mode, os.path.join(out_dir, f"{mode}.pt"), os.path.join(out_dir, "dcp"))
+        _train_distributed(rank, "fsdp", os.path.join(out_dir, "fsdp-resumed.pt"), os.path.join(out_dir, "dcp"),
+                           resume=True)
     finally:
         dist.destroy_process_group()
 
 
-def _train_distributed(rank, mode, out_path):
+def _train_distributed(rank, mode, out_path, dcp_dir, resume=False):
+    """``mode`` training on this rank's half of each batch. On FSDP2 the state after SAVE_AFTER steps goes to
+    ``dcp_dir`` through DCP; ``resume`` loads it into this fresh model and optimizer and runs the rest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model = make_model()
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
@@ -83,7 +94,18 @@ def _train_distributed(rank, mode, out_path):
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = make_opt(model.parameters())
+    first = 0
+    if resume:
+        msd, osd = get_state_dict(model, opt)  # the fresh run's own layout, which DCP loads into
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        first = SAVE_AFTER
     for t, (x, y) in enumerate(batches()):
+        if t < first:
+            continue
+        if mode == "fsdp" and t == SAVE_AFTER and not resume:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
         xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xs), ys).backward()
@@ -96,7 +118,7 @@ def _train_distributed(rank, mode, out_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             opt.step()
-    assert opt.nonfinite_skips == 1
+    assert opt.nonfinite_skips == 1  # the resumed run starts before the NaN step, so it meets it too
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
     if mode == "fsdp":
         # State follows the parameter's sharding, so DCP can save/reshard it.
@@ -115,6 +137,10 @@ def test_fsdp2_and_ddp_training_match_single_process(tmp_path):
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"{mode}: {m}")
+    # DCP: saved after SAVE_AFTER steps, loaded into a fresh model and optimizer, run to the end: bitwise.
+    resumed = torch.load(tmp_path / "fsdp-resumed.pt", weights_only=True)
+    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, fsdp, strict=True))
     # The limiter engaged in this run, so matching needs the cross-rank norm.
     unlimited = single_process_result(gamma=None)
     assert any(not torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, unlimited))
