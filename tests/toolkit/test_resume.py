@@ -277,3 +277,33 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.os, "replace", real)
     assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003"
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["x"].tolist() == [1.0, 1.0]
+
+
+class _Draws(Callback):
+    """What a data collator or a user's callback would draw, from each generator a checkpoint saves."""
+
+    def __init__(self):
+        self.draws = []
+
+    def on_step_start(self, step, model):
+        import numpy as np
+
+        self.draws.append((random.random(), float(np.random.rand()), float(torch.rand(()))))
+
+
+def test_python_numpy_and_torch_draws_follow_the_seed_fresh_and_resumed(tiny_config, tmp_path):
+    random.seed(11)  # another test's leftovers must not matter
+    runs = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        d = _Draws()
+        train(tiny_config(out=str(tmp_path / name), steps=4, seed=seed), callbacks=[d])
+        runs.append(d.draws)
+        random.seed(12)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    # A run stopped after 2 steps and resumed draws what the uninterrupted one drew, step for step.
+    first, rest = _Draws(), _Draws()
+    part = tiny_config(out=str(tmp_path / "part"), steps=2, seed=1)
+    train(part, callbacks=[first])
+    random.seed(13)
+    train(tiny_config(out=part.out, steps=4, seed=1, resume=True), callbacks=[rest])
+    assert first.draws + rest.draws == runs[0]

@@ -120,6 +120,18 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator :func:`rng_state` saves, so that a fresh run is as reproducible as a resumed one
+    (a data collator or user callback may draw from Python's or NumPy's)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
 def rng_state() -> dict[str, Any]:
     """This process's random generators as tensors and numbers: numpy's own
     state holds an array, which a weights-only load refuses."""

@@ -730,10 +730,11 @@ def _schedule(cfg: TrainConfig) -> WarmupCosine:
 def _build_training(cfg: TrainConfig, dctx, data) -> dict[str, Any]:
     """The model (seeded, so every rank and every optimizer starts from the same
     weights), its optimizer and their schedules, as :class:`_Run` fields."""
+    from gwt_optim.toolkit.checkpoint import seed_all
     from gwt_optim.toolkit.distributed import unwrap, wrap_model
     from gwt_optim.toolkit.models import build_model, count_parameters, enable_gradient_checkpointing
 
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
     model = build_model(cfg.model, tokenizer=data.tokenizer, max_seq_len=cfg.seq_len, pretrained=cfg.pretrained)
     model.to(dctx.device)
     if cfg.gradient_checkpointing:
