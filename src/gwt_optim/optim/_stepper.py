@@ -23,11 +23,11 @@ from typing import Any, Hashable, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "Host", "LIMITER_EPS", "STEP", "make_plan", "plannable",
+from gwt_optim.optim.functional import LIMITER_EPS
+
+__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "Host", "STEP", "make_plan", "plannable",
            "run_unplanned"]
 
-# Fira's limiter divides by the previous norm; this keeps it finite at s = 0.
-LIMITER_EPS = 1e-8
 #: The key of the plan over every parameter (step_param's plans are keyed by id(param)).
 STEP = "step"
 

@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
-from gwt_optim.optim._stepper import LIMITER_EPS
 
 __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor",
@@ -56,6 +55,9 @@ __all__ = [
 
 
 # ------------------------------------------------------ shared pieces --- #
+
+# Fira's limiter divides by the previous norm; this keeps it finite at s = 0. The kernels take it from here.
+LIMITER_EPS = 1e-8
 
 
 def compute_dtype(W: Tensor) -> torch.dtype:
