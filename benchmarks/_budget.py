@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shlex
 import sys
 import time
@@ -198,6 +199,35 @@ def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:
     return sorted(out.items())
 
 
+def run_commits(run: Path) -> list[str | None]:
+    """The commits a run's processes ran from, oldest first (its first process's, then each resume's),
+    from its ``environment.json``; None where one was not recorded."""
+    try:
+        env = json.loads((run / "environment.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [e.get("git_commit") for e in [*env.get("earlier", []), env] if isinstance(e, dict)]
+
+
+def _code_line(B: dict[str, Any]) -> str:
+    """How many of the reported runs started from each commit (a run resumed under other code says so)."""
+    runs = [r for t in B["contenders"].values() for r in t.get("runs", [])]
+    runs += (B.get("frozen") or {}).get("runs", []) + [r for m in (B.get("match") or {}).get("budgets", [])
+                                                        for r in m.get("runs", [])]
+    started: dict[str, int] = {}
+    resumed = 0
+    for r in runs:
+        commits = r.get("commits") or []
+        if commits:
+            key = (commits[0] or "not recorded")[:12]
+            started[key] = started.get(key, 0) + 1
+            resumed += len(set(commits)) > 1
+    if not started:
+        return "Code: -."
+    return ("Code: reporting runs started from " + ", ".join(f"{k} ({n})" for k, n in started.items())
+            + f"; {resumed} of them resumed under another commit (each run's environment.json has the list).")
+
+
 def tokens_to_reach(curve: Sequence[tuple[int, float]], target: float) -> float | None:
     """The first token count at which ``curve`` reaches ``target`` (linear between validations), else None."""
     prev = None
@@ -316,7 +346,8 @@ class Budget:
             runs.append({"seed": s, "val_loss": r.get("val_loss"), "status": r.get("status"),
                          "state_bytes": r.get("state_bytes"), "wall_s": r.get("wall_s"),
                          "ms_per_step": r.get("ms_per_step"), "spec": jobs[s].spec,
-                         "curve": read_curve(runner.run_dir(jobs[s]), self.T)})
+                         "curve": read_curve(runner.run_dir(jobs[s]), self.T),
+                         "commits": run_commits(runner.run_dir(jobs[s]))})
         m, sd = P.mean_std([r["val_loss"] for r in runs])
         states = [r["state_bytes"] for r in runs if r.get("state_bytes")]
         return {"lr": lr, "beta2": beta2, "weight_decay": wd, "runs": runs, "mean": m, "std": sd,
@@ -687,7 +718,7 @@ def render(report: dict[str, Any]) -> str:
               f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
               + ("pass" if gb.get("pass") else "**FAIL**" if gb.get("ran") else "not run yet"),
               "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
-              "extending.", "",
+              "extending.", "", _code_line(B), "",
               f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "
               f"{report['threads']} thread(s). Environment: {env.get('gpu') or env.get('cpu')} "
               f"({env.get('cpu_count')} cores), python {env.get('python')}, torch {env.get('torch')}, gwt-optim "

@@ -23,6 +23,8 @@ if [ -n "$COMMIT" ] && [ "${GWT_BUDGET_SNAPSHOT:-}" != "$COMMIT" ]; then
   GWT_BUDGET_SNAPSHOT=$COMMIT PYTHONPATH=$TREE/src exec bash "$TREE/benchmarks/budget_cpu.sh" "$OUT" "$COMMIT"
 fi
 cd "$ROOT"
+# the snapshot has no .git: each run's environment.json records COMMIT through this (metrics.git_commit)
+[ -n "$COMMIT" ] && export GWT_OPTIM_COMMIT=$COMMIT
 stopped=0
 run() {  # one stage; a signal to this script stops the stage (its runs save) and the queue
   nice -n 19 "$PY" benchmarks/quality.py --budget 16M --beta2s 0.999 --beta2 0.999 --report-seeds 1,2,3,4 \

@@ -259,6 +259,20 @@ def test_t_interval_and_the_weight_decay_axis():
             B.weight_decays_of(bad, base)
 
 
+def test_the_report_says_which_commit_each_run_started_from(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert B.run_commits(run) == []  # not started
+    (run / "environment.json").write_text(json.dumps(
+        {"git_commit": "d571fd1", "earlier": [{"git_commit": None}, {"git_commit": "7cc90cd"}]}))
+    assert B.run_commits(run) == [None, "7cc90cd", "d571fd1"]
+    runs = [{"commits": [None, "7cc90cd", "d571fd1"]}, {"commits": ["2acb08f"]}, {"commits": []}]
+    budget = {"contenders": {"adamw": {"runs": runs[:2]}}, "frozen": {"runs": runs[2:]},
+              "match": {"budgets": [{"runs": [{"commits": ["2acb08f", "2acb08f"]}]}]}}
+    assert B._code_line(budget) == ("Code: reporting runs started from not recorded (1), 2acb08f (2); 1 of them "
+                                    "resumed under another commit (each run's environment.json has the list).")
+
+
 def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
     import math
     from concurrent.futures import Future
@@ -325,6 +339,7 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert not [p for p in (out / "tune").rglob("gwt-adamw*") if p.is_dir()]
     assert C["gwt-adamw:level=2"]["best_lr"] == 3e-3 and C["gwt-adamw:level=2"]["best_tune_loss"] is None
     assert "one lr, not tuned here" in md
+    assert "Code: reporting runs started from " in md  # this test's code is a checkout: git names it
     assert (out / "loss-vs-tokens.png").stat().st_size > 1000
     img = tmp_path / "img" / "loss-vs-tokens.png"
     assert B.main(["--budget", "512", "--progress", "--out", str(out), "--tokens-per-step", "128", "--plot", str(img)],

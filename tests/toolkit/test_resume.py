@@ -307,3 +307,23 @@ def test_python_numpy_and_torch_draws_follow_the_seed_fresh_and_resumed(tiny_con
     random.seed(13)
     train(tiny_config(out=part.out, steps=4, seed=1, resume=True), callbacks=[rest])
     assert first.draws + rest.draws == runs[0]
+    # The run spans two processes, and its environment.json keeps the first one's record (and its commit).
+    env = json.loads((Path(part.out) / "environment.json").read_text())
+    assert env["resumed_at_step"] == 2 and len(env["earlier"]) == 1
+    assert "earlier" not in env["earlier"][0] and env["earlier"][0]["git_commit"] == env["git_commit"]
+
+
+def test_outside_git_the_commit_comes_from_the_environment_variable(tmp_path, monkeypatch):
+    from gwt_optim.toolkit.metrics import git_commit
+
+    monkeypatch.delenv("GWT_OPTIM_COMMIT", raising=False)
+    assert git_commit(tmp_path) is None  # a git archive snapshot: git cannot tell
+    monkeypatch.setenv("GWT_OPTIM_COMMIT", "2acb08f")
+    assert git_commit(tmp_path) == "2acb08f"
+    repo = tmp_path / "repo"  # inside a checkout, git's own answer wins
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout
+    assert git_commit(repo) == head.strip()

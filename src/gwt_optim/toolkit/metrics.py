@@ -287,7 +287,9 @@ class MetricsLog:
 
 def git_commit(path: str | os.PathLike | None = None) -> str | None:
     """The commit of the git checkout holding ``path`` (default: this package),
-    with ``-dirty`` appended when tracked files are modified; None outside git."""
+    with ``-dirty`` appended when tracked files are modified. Outside git (a
+    ``git archive`` snapshot, an installed wheel): ``$GWT_OPTIM_COMMIT`` if the
+    caller set it (benchmarks/budget_cpu.sh does for its snapshot), else None."""
     where = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
         commit = subprocess.run(
@@ -301,7 +303,7 @@ def git_commit(path: str | os.PathLike | None = None) -> str | None:
             timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("GWT_OPTIM_COMMIT") or None
     return commit + ("-dirty" if dirty else "")
 
 

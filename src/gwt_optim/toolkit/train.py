@@ -5,7 +5,7 @@ current process (or in every ``torchrun`` process) and returns the summary
 it also writes to ``RUN/summary.json``. A run directory holds
 
 ``config.json``       the resolved configuration (every default filled in)
-``environment.json``  versions, machine, git commit, world size
+``environment.json``  versions, machine, git commit, world size (and, resumed, the earlier processes')
 ``metrics.jsonl``     one record per optimizer step (``loss``, ``lr``,
                       ``tokens_per_s``...) and per evaluation (``val_loss``)
 ``summary.json``      the final numbers ``compare`` and ``report`` tabulate
@@ -779,6 +779,17 @@ def _resume(r: _Run) -> None:
     _use_schedule(r.scheduler, _schedule(cfg))
 
 
+def _earlier_environments(path: Path) -> list[dict[str, Any]]:
+    try:
+        env = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(env, dict):
+        return []
+    earlier = env.pop("earlier", [])
+    return [*(earlier if isinstance(earlier, list) else []), env]
+
+
 def _write_run_files(r: _Run) -> None:
     """``config.json``, ``environment.json`` and ``metrics.jsonl`` (emptied, or on
     resume cut back to the checkpoint's step); sets ``log`` and ``eval_first``."""
@@ -790,6 +801,9 @@ def _write_run_files(r: _Run) -> None:
         env = environment(packages=("bitsandbytes", "torchao", "galore-torch", "apollo-torch", "adam-mini"))
         env.update(world_size=dctx.world_size, fsdp=cfg.fsdp, device=str(r.device),
                    autocast=str(r.amp) if r.amp else "fp32")
+        if r.resumed_from is not None:
+            # A run may span code versions: the processes before this one stay on record, oldest first.
+            env.update(resumed_at_step=r.start_step, earlier=_earlier_environments(run / "environment.json"))
         atomic_write_json(run / "environment.json", env)
     r.log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
     # A stop lands before its step's validation (see _Loop), so a run resumed at a validation step makes
