@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
 import sys
 import time
@@ -202,11 +201,9 @@ def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:
 def run_commits(run: Path) -> list[str | None]:
     """The commits a run's processes ran from, oldest first (its first process's, then each resume's),
     from its ``environment.json``; None where one was not recorded."""
-    try:
-        env = json.loads((run / "environment.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [e.get("git_commit") for e in [*env.get("earlier", []), env] if isinstance(e, dict)]
+    from gwt_optim.toolkit.metrics import process_environments
+
+    return [e.get("git_commit") for e in process_environments(run / "environment.json")]
 
 
 def _code_line(B: dict[str, Any]) -> str:

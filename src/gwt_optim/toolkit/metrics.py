@@ -307,6 +307,19 @@ def git_commit(path: str | os.PathLike | None = None) -> str | None:
     return commit + ("-dirty" if dirty else "")
 
 
+def process_environments(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of every process a run ran in, oldest first, from its ``environment.json`` (a resumed
+    run keeps the earlier ones under ``earlier``); [] if it is missing or unreadable."""
+    try:
+        env = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(env, dict):
+        return []
+    earlier = env.pop("earlier", [])
+    return [e for e in [*(earlier if isinstance(earlier, list) else []), env] if isinstance(e, dict)]
+
+
 def _package_version(name: str) -> str | None:
     from importlib import metadata
 

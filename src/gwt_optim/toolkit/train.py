@@ -779,21 +779,10 @@ def _resume(r: _Run) -> None:
     _use_schedule(r.scheduler, _schedule(cfg))
 
 
-def _earlier_environments(path: Path) -> list[dict[str, Any]]:
-    try:
-        env = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(env, dict):
-        return []
-    earlier = env.pop("earlier", [])
-    return [*(earlier if isinstance(earlier, list) else []), env]
-
-
 def _write_run_files(r: _Run) -> None:
     """``config.json``, ``environment.json`` and ``metrics.jsonl`` (emptied, or on
     resume cut back to the checkpoint's step); sets ``log`` and ``eval_first``."""
-    from gwt_optim.toolkit.metrics import MetricsLog, atomic_write_json, environment
+    from gwt_optim.toolkit.metrics import MetricsLog, atomic_write_json, environment, process_environments
 
     cfg, dctx, run = r.cfg, r.dctx, r.folder
     if dctx.is_main:
@@ -803,7 +792,7 @@ def _write_run_files(r: _Run) -> None:
                    autocast=str(r.amp) if r.amp else "fp32")
         if r.resumed_from is not None:
             # A run may span code versions: the processes before this one stay on record, oldest first.
-            env.update(resumed_at_step=r.start_step, earlier=_earlier_environments(run / "environment.json"))
+            env.update(resumed_at_step=r.start_step, earlier=process_environments(run / "environment.json"))
         atomic_write_json(run / "environment.json", env)
     r.log = MetricsLog(run / "metrics.jsonl", enabled=dctx.is_main)
     # A stop lands before its step's validation (see _Loop), so a run resumed at a validation step makes
