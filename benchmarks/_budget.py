@@ -248,7 +248,11 @@ def mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
 
 
 class Budget:
-    """The three stages on one shared pool of ``jobs`` processes."""
+    """The three stages on one shared pool of ``jobs`` processes. Waiting runs start in order of
+    :attr:`TUNE`, then reporting runs by seed (each seed's runs of every contender before the next seed's,
+    so that an interim report has paired seeds), then the data-to-match runs by seed."""
+
+    TUNE, REPORT, MATCH = 0, 1, 2
 
     def __init__(self, args, base: dict[str, Any], windows: int, start: float):
         self.args = args
@@ -278,7 +282,7 @@ class Budget:
     def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int]) -> dict:
         jobs = {(b2, lr, s): P.Job(self.T, self.spec(with_beta2(label, b2), lr), lr, s)
                 for b2 in beta2s for lr in lrs for s in seeds}
-        return {k: self.tuner.submit(j) for k, j in jobs.items()}
+        return {k: self.tuner.submit(j, priority=(self.TUNE,)) for k, j in jobs.items()}
 
     def tune_weight_decay(self, label: str, t: dict[str, Any], wds: list[float], seeds: list[int]) -> dict:
         """The weight-decay coordinate at ``t``'s best (lr, beta2): ``wds[0]`` is the lr grid's own value,
@@ -287,7 +291,7 @@ class Budget:
         grid: dict[str, float | None] = {P.fmt_lr(wds[0]): t["best_tune_loss"]}
         status: dict[str, list[str]] = {}
         futs = {(wd, s): self.tuner.submit(P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd),
-                                                                   lr), lr, s))
+                                                                   lr), lr, s), priority=(self.TUNE,))
                 for wd in wds[1:] for s in seeds}
         for wd in wds[1:]:
             res = [futs[(wd, s)].result() for s in seeds]
@@ -334,9 +338,10 @@ class Budget:
 
     def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
                runner: P.Runner | None = None) -> dict[str, Any]:
+        rank = self.REPORT if runner is None else self.MATCH
         runner = runner or self.reporter
         jobs = {s: P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, beta2), wd), lr), lr, s) for s in seeds}
-        futs = {s: runner.submit(j) for s, j in jobs.items()}
+        futs = {s: runner.submit(j, priority=(rank, s)) for s, j in jobs.items()}
         runs = []
         for s, f in futs.items():
             r = f.result()

@@ -276,7 +276,7 @@ class Runner(_runner.Runner):
     def __init__(self, out: Path, setting: Setting, *, jobs: int = 1, threads: int | None = None,
                  resume: bool = False, keep_checkpoints: bool = False, deadline: float | None = None,
                  grace: float = 45.0, quiet: bool = False, offline: bool = False, start: float | None = None,
-                 pool: ThreadPoolExecutor | None = None):
+                 pool: _runner.PriorityPool | None = None):
         pythonpath = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
         super().__init__(out, jobs=jobs, threads=threads, resume=resume, keep_checkpoints=keep_checkpoints,
                          deadline=deadline, grace=grace, quiet=quiet, offline=offline, start=start, pool=pool,

@@ -285,7 +285,8 @@ def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
         def __init__(self, best):
             self.best, self.ran = best, []
 
-        def submit(self, job):
+        def submit(self, job, priority):
+            assert priority == (B.Budget.TUNE,)
             self.ran.append(job.lr)
             done = Future()
             done.set_result({"val_loss": 2.5 + math.log(job.lr / self.best) ** 2, "status": "ok"})
@@ -304,6 +305,46 @@ def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
     t, ran = tune(2e-3, 3)  # inside: nothing added
     assert ran == [1e-3, 2e-3, 4e-3] and t["best_lr"] == 2e-3 and t["extended"] == 0
     assert tune(9e-3, 0)[0]["edge"]  # the default: the grid as given
+
+
+def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(tmp_path):
+    """One worker, held while a study queues: AdamW's and GWT-AdamW's reporting seeds, AdamW's data-to-match
+    seeds, then a tuning run. The tuning run goes first, then each seed's runs of both contenders before the
+    next seed's (an interim report is paired), the match runs last."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from _waiting import wait_for
+
+    from gwt_optim.toolkit.runner import PriorityPool
+
+    pool, gate, started, queued = PriorityPool(1), threading.Event(), [], []
+    held = pool.submit(gate.wait)
+
+    class Stage:  # a runner of one stage on the shared pool
+        def __init__(self, name):
+            self.name = name
+
+        def submit(self, job, priority):
+            queued.append(job)
+            return pool.submit(lambda: started.append((self.name, job.seed)) or {"val_loss": 2.5, "status": "ok"},
+                               priority=priority)
+
+        def run_dir(self, job):
+            return tmp_path / "no-run"
+
+    b = object.__new__(B.Budget)
+    b.T, b.R, b.tuner, b.reporter, match = 128, 3e-3, Stage("tune"), Stage("report"), Stage("match")
+    with ThreadPoolExecutor(3) as stages:  # each waits for its own runs, as _stages's threads do
+        calls = [stages.submit(b.report, "adamw", 2e-3, 0.999, [1, 2, 3, 4]),
+                 stages.submit(b.report, "gwt-adamw:level=2", 6e-3, 0.999, [1, 2, 3, 4]),
+                 stages.submit(b.report, "adamw", 2e-3, 0.999, [1, 2], runner=match)]
+        wait_for(lambda: len(queued) == 10, "the reporting and match runs queued")
+        b.submit_tune("gwt-adamw:level=2", [6e-3], [0.999], [0])
+        gate.set()
+        assert [c.result()["n"] for c in calls] == [4, 4, 2] and held.result()
+    pool.shutdown()
+    assert started == [("tune", 0)] + [("report", s) for s in (1, 1, 2, 2, 3, 3, 4, 4)] + [("match", 1), ("match", 2)]
 
 
 _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 0, "min_lr_ratio": 0.1,

@@ -174,6 +174,26 @@ def test_a_killed_driver_takes_its_child_with_it(tmp_path):
                 pass
 
 
+def test_a_free_worker_takes_the_waiting_call_of_lowest_priority_and_errors_reach_the_caller():
+    import threading
+
+    pool, gate, order = R.PriorityPool(1), threading.Event(), []
+    held = pool.submit(gate.wait)  # the one worker is busy while the rest queue
+    futs = [pool.submit(order.append, name, priority=p)
+            for name, p in [("c", (2,)), ("a1", (0,)), ("b", (1, 5)), ("a2", (0,)), ("b0", (1, 0))]]
+
+    def fail():
+        raise OSError("disk full")
+
+    bad = pool.submit(fail, priority=(1, 9))
+    gate.set()
+    pool.shutdown(wait=True)
+    assert held.result() and all(f.done() for f in futs)
+    assert order == ["a1", "a2", "b0", "b", "c"]  # by priority, then first submitted first
+    with pytest.raises(OSError, match="disk full"):
+        bad.result()
+
+
 def test_spec_text_round_trips_as_written():
     from gwt_optim.registry import format_spec, parse_optimizer_arg, split_spec
 

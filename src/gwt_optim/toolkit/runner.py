@@ -32,6 +32,8 @@ spec and converts its values.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
 import os
 import shutil
@@ -46,6 +48,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 __all__ = [
     "Runner",
+    "PriorityPool",
     "same_config",
     "launcher",
     "last_error",
@@ -292,6 +295,43 @@ def _keep(summary: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- #
 
 
+class PriorityPool:
+    """A fixed number of worker threads that each take, when free, the pending call of lowest
+    ``priority`` (earliest submitted among equals): a plain first-in-first-out pool makes a study that
+    queues all of one contender's seeds wait for them before its rival's first seed starts.
+
+    Each :meth:`submit` queues the call on a heap and one trampoline on a ``ThreadPoolExecutor``, whose
+    shutdown and exit behaviour it keeps; a trampoline runs whichever call is first when it starts, and
+    there are as many trampolines as calls, so the heap is never empty when one pops.
+    """
+
+    def __init__(self, workers: int):
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        self._heap: list[tuple[Any, int, Future, Any, tuple]] = []
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+
+    def submit(self, fn, /, *args: Any, priority: Any = ()) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            heapq.heappush(self._heap, (priority, next(self._order), fut, fn, args))
+        self._pool.submit(self._run_first)
+        return fut
+
+    def _run_first(self) -> None:
+        with self._lock:
+            *_, fut, fn, args = heapq.heappop(self._heap)
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # as concurrent.futures does: the caller sees it on .result()
+            fut.set_exception(exc)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
+
+
 class Runner:
     """Runs jobs as ``pretrain`` processes, at most ``jobs`` at a time, each job once.
 
@@ -301,7 +341,8 @@ class Runner:
     :meth:`unavailable_reason`. ``deadline`` (seconds from ``start``, default
     now): no job starts after it, and a job still running ``grace`` seconds
     later is stopped. ``pool``: another runner's, so that runners of different
-    stages share one limit of ``jobs``. ``env`` adds to this process's
+    stages share one limit of ``jobs``; :meth:`submit`'s ``priority`` orders
+    the jobs waiting in it (:class:`PriorityPool`). ``env`` adds to this process's
     environment for every run (``threads``: their OMP and MKL threads);
     ``progress`` draws a bar per run from its ``metrics.jsonl``.
     """
@@ -309,13 +350,13 @@ class Runner:
     def __init__(self, out: Path, *, jobs: int = 1, threads: int | None = None, resume: bool = False,
                  keep_checkpoints: bool = True, deadline: float | None = None, grace: float = 45.0,
                  quiet: bool = False, offline: bool = False, start: float | None = None,
-                 pool: ThreadPoolExecutor | None = None, env: dict[str, str] | None = None,
+                 pool: PriorityPool | None = None, env: dict[str, str] | None = None,
                  cwd: Path | None = None, nproc_per_node: int = 1, progress: bool = False):
         self.out, self.resume, self.keep = Path(out), resume or offline, keep_checkpoints
         self.offline = offline  # report only: read finished runs, start none
         self.run_env: dict[str, Any] | None = None  # environment.json of one finished run
         self.threads, self.env, self.cwd, self.nproc, self.progress = threads, env, cwd, nproc_per_node, progress
-        self.pool = pool if pool is not None else ThreadPoolExecutor(max_workers=max(1, jobs))
+        self.pool = pool if pool is not None else PriorityPool(jobs)
         self.t0 = time.monotonic() if start is None else start
         self.stop_at = None if deadline is None else self.t0 + deadline
         self.kill_at = None if deadline is None else self.t0 + deadline + grace
@@ -361,7 +402,9 @@ class Runner:
             return None
 
     # scheduling ------------------------------------------------------------ #
-    def submit(self, job: Any) -> Future:
+    def submit(self, job: Any, priority: Any = ()) -> Future:
+        """Queue ``job`` (once: a job already queued returns its future); waiting jobs start in order of
+        ``priority``, then of submission."""
         path = self.run_dir(job)
         with self._lock:
             if path in self._futures:
@@ -369,7 +412,7 @@ class Runner:
                 if other != job:
                     raise RuntimeError(f"two different runs map to one folder {path}: {other} and {job}")
                 return fut
-            fut = self.pool.submit(self.run_job, job)
+            fut = self.pool.submit(self.run_job, job, priority=priority)
             self._futures[path] = (job, fut)
             return fut
 
