@@ -573,6 +573,9 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     _data_to_match(out)
     fr = out.get("frozen") or {}
     trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
+    # An unfinished side is no verdict yet (a diverged one is: its loss is nan, its status "diverged")
+    unfinished = {r["seed"] for r in base.get("runs", []) + fr.get("runs", [])
+                  if r.get("status") in ("missing", "skipped", "stopped")}
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
@@ -581,6 +584,7 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
               else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
               "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
+              "waiting": bool(fr.get("runs")) and fr["runs"][0]["seed"] in unfinished,
               "pass": margin is not None and margin >= gate_nats},
     }
 
@@ -718,7 +722,8 @@ def render(report: dict[str, Any]) -> str:
                   for c, ok in ga.items()) or "-"),
               f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
               f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
-              + ("pass" if gb.get("pass") else "**FAIL**" if gb.get("ran") else "not run yet"),
+              + ("pass" if gb.get("pass") else "not decided yet (a run has not finished)" if gb.get("waiting")
+                 else "**FAIL**" if gb.get("ran") else "not run yet"),
               "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
               "extending.", "", _code_line(B), "",
               f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "

@@ -465,6 +465,12 @@ def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
     out["frozen"]["runs"][0]["status"] = "diverged"  # finished, and worse than anything: a failure
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is False and out["gates"]["b"]["ran"] and not out["gates"]["b"]["pass"]
+    assert not out["gates"]["b"]["waiting"]
+    # The frozen run finished and AdamW's run on its seed has not: no verdict yet either, not a failure.
+    out["frozen"]["runs"][0].update(status="ok", val_loss=3.88)
+    out["contenders"]["adamw"]["runs"][0].update(status="missing", val_loss=float("nan"))
+    B.analyse(out, 0.3)
+    assert out["gates"]["b"]["ran"] and out["gates"]["b"]["waiting"] and not out["gates"]["b"]["pass"]
     # One lr given (a contender reported at a known lr, not tuned in this study): no edge to fail, no grid to pass.
     out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": 3e-3, "edge": False, "lrs": [3e-3],
                                  "status": {"0.999:0.003": ["ok"]}}
