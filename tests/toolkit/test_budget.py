@@ -219,6 +219,41 @@ def test_each_gwt_family_is_also_measured_against_the_optimizer_it_transforms():
     assert f"{sp['mean']:.2f}× ± {sp['half']:.2f}" in row
 
 
+def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_interval():
+    v = B.bar_verdict
+    assert v({"mean": 0.05, "ci": 0.01}, 0.02) == "failed"  # the whole interval above the bar
+    assert v({"mean": 0.03, "ci": 0.02}, 0.02) == "not met"  # above on the mean, not significantly
+    assert v({"mean": 0.01, "ci": 0.02}, 0.02) == "met" and v({"mean": 0.01, "ci": None}, 0.02) == "met"
+    assert v({"mean": 0.0, "ci": 0.01}, 0.02) == "shown" and v({"mean": float("nan")}, 0.02) is None
+    out = _report(2.5, 3.2)  # the default: 2.51 and 2.52 on seeds 1 and 2, AdamW 3.01 and 3.02
+    C = out["contenders"]
+    C["gwt-adamw:level=2:detail_clip=none"] = {
+        "runs": [{"seed": 1, "val_loss": 2.7, "curve": []}, {"seed": 2, "val_loss": 2.9, "curve": []}],
+        "mean": 2.8, "std": 0.14, "n": 2, "lrs": [1e-3], "best_lr": 1e-3}
+    B.analyse(out, 0.3)
+    d = C["gwt-adamw:level=2"]["default"]
+    assert d["paper"] == "gwt-adamw:level=2:detail_clip=none" and d["vs_paper"]["mean"] == pytest.approx(-0.285)
+    # against the paper's update: -0.19 and -0.38, below 0 on the mean, the interval (one df) reaching past it
+    assert d["bars"] == {"paper": "met", "adamw": "shown"} and d["stays"] is True
+    assert "default" not in C["gwt-adamw:level=2:detail_clip=none"] and "default" not in C["adamw"]
+    out.update(setting=_SETTING, train_tokens=1, beta2s=[0.999], jobs=1, threads=1, command="c", environment={})
+    for t in C.values():
+        t.setdefault("std", 0.0)
+        t.setdefault("n", len(t["runs"]))
+    text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
+                                        "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
+    assert "| gwt-adamw:level=2 | adamw | -0.5000 ± 0.0000 (n=2) | ≤ +0.02 | shown |" in text
+    assert "gwt-adamw:level=2: **the default stays**." in text
+    C["gwt-adamw:level=2"]["runs"][0]["val_loss"] = 3.05  # 0.04 and 0.08 behind AdamW: 0.06 on the mean
+    C["gwt-adamw:level=2"]["runs"][1]["val_loss"] = 3.1
+    B.analyse(out, 0.3)
+    assert C["gwt-adamw:level=2"]["default"]["bars"]["adamw"] == "not met"
+    assert C["gwt-adamw:level=2"]["default"]["stays"] is False
+    C["gwt-adamw:level=2:detail_clip=none"]["runs"] = []  # not run yet: no verdict
+    B.analyse(out, 0.3)
+    assert C["gwt-adamw:level=2"]["default"]["stays"] is None
+
+
 def test_budget_to_match_interpolates_in_log_tokens():
     pts = [(4e6, 3.2), (8e6, 3.0), (16e6, 2.9)]
     tokens, how = B.budget_to_match(pts, 3.1)
