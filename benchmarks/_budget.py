@@ -254,6 +254,19 @@ def mean_curve(runs: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
     return [(x, sum(c[x] for c in curves) / len(curves)) for x in xs]
 
 
+def paired_delta_curve(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]
+                       ) -> list[tuple[int, dict[str, Any]]]:
+    """(tokens, t_interval of the per-seed differences) at every validation of the seeds both sides finished:
+    where along the run a contender leads or trails the baseline, which the final figure alone hides."""
+    base = {r["seed"]: dict(r.get("curve") or []) for r in base_runs if P.finite(r.get("val_loss"))}
+    mine = {r["seed"]: dict(r.get("curve") or []) for r in runs if P.finite(r.get("val_loss"))}
+    seeds = [s for s in mine if base.get(s) and mine[s]]
+    if not seeds:
+        return []
+    xs = sorted(set.intersection(*(set(mine[s]) & set(base[s]) for s in seeds)))
+    return [(x, t_interval([mine[s][x] - base[s][x] for s in seeds])) for x in xs]
+
+
 class Budget:
     """The three stages on one shared pool of ``jobs`` processes. Waiting runs start in order of
     :attr:`TUNE`, then reporting runs by seed (each seed's runs of every contender before the next seed's,
@@ -785,13 +798,13 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _axes(width: float = 7):
+def _axes(width: float = 7, panels: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(width, 4.5))
+    fig, ax = plt.subplots(1, panels, figsize=(width, 4.5))
     return plt, fig, ax
 
 
@@ -816,12 +829,33 @@ def _save(plt, fig, ax, *, lo: float | None, span: float, title: str, legend_siz
 
 
 def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
+    """Left: each contender's seed-mean validation curve. Right: its paired Δ to AdamW along the run, the
+    mean over seeds with its 95% t band (end-of-run gaps of hundredths of a nat are invisible on the left)."""
     B = report["budget"]
-    plt, fig, ax = _axes()
+    plt, fig, (ax, dax) = _axes(13, panels=2)
+    base_runs = B["contenders"].get(P.BASELINE, {}).get("runs", [])
+    late: list[float] = []  # |Δ| + band over each run's second half, where the ranking settles
     for c, t in B["contenders"].items():
         curve = mean_curve(t.get("runs", []))
-        if curve:
-            ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], label=f"{c} (lr {t.get('best_lr'):g})")
+        if not curve:
+            continue
+        line, = ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], label=f"{c} (lr {t.get('best_lr'):g})")
+        delta = paired_delta_curve(t.get("runs", []), base_runs) if c != P.BASELINE else []
+        if not delta:
+            continue
+        xs, m = [x / 1e6 for x, _ in delta], [d["mean"] for _, d in delta]
+        h = [d["half"] or 0.0 for _, d in delta]
+        dax.plot(xs, m, color=line.get_color(), label=f"{c} (n={delta[-1][1]['n']})")
+        dax.fill_between(xs, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)],
+                         color=line.get_color(), alpha=0.15, lw=0)
+        late += [abs(a) + b for a, b in zip(m[len(m) // 2:], h[len(h) // 2:])]
+    dax.axhline(0.0, color="grey", lw=0.8, ls="--")
+    dax.set_xlabel("training tokens (M)")
+    dax.set_ylabel("val loss − AdamW's, same seed")
+    dax.set_title("paired Δ vs AdamW (band: 95% t over seeds)")
+    if late and max(late) > 0:  # early gaps (tenths of a nat) would flatten late ones (hundredths): off the panel
+        dax.set_ylim(-1.2 * max(late), 1.2 * max(late))
+        dax.legend(fontsize=8)
     fr = B.get("frozen") or {}
     for r in fr.get("runs", []):
         if r.get("curve"):

@@ -254,6 +254,20 @@ def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_inte
     assert C["gwt-adamw:level=2"]["default"]["stays"] is None
 
 
+def test_the_paired_delta_along_the_run_uses_the_seeds_both_sides_finished():
+    base = [{"seed": s, "val_loss": 3.0, "curve": [(100, 5.0), (200, 4.0), (300, 3.0)]} for s in (1, 2, 3)]
+    runs = [{"seed": 1, "val_loss": 2.9, "curve": [(100, 4.8), (200, 4.0), (300, 2.9)]},
+            {"seed": 2, "val_loss": 3.1, "curve": [(100, 4.6), (200, 4.2), (300, 3.1)]},
+            {"seed": 3, "val_loss": float("nan"), "curve": [(100, 9.0)]},  # cut short: left out
+            {"seed": 4, "val_loss": 2.0, "curve": [(100, 1.0), (300, 2.0)]}]  # AdamW has no seed 4
+    d = B.paired_delta_curve(runs, base)
+    assert [x for x, _ in d] == [100, 200, 300] and all(v["n"] == 2 for _, v in d)
+    assert d[0][1]["mean"] == pytest.approx(-0.3) and d[1][1]["mean"] == pytest.approx(0.1)
+    # -0.1 and +0.1 at the end: std 0.1414, and with one degree of freedom a 95% t of 12.706
+    assert d[2][1]["mean"] == pytest.approx(0.0) and d[2][1]["half"] == pytest.approx(12.706 * 0.1, rel=1e-4)
+    assert B.paired_delta_curve(runs[2:3], base) == [] and B.paired_delta_curve(runs, []) == []
+
+
 def test_budget_to_match_interpolates_in_log_tokens():
     pts = [(4e6, 3.2), (8e6, 3.0), (16e6, 2.9)]
     tokens, how = B.budget_to_match(pts, 3.1)
