@@ -45,10 +45,12 @@ GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-
 # reporting seeds 1-4 at each best (lr, wd)
 run --contenders adamw,gwt-adamw:level=2 "${GRIDS[@]}" --weight-decays 0,0.1
 
-# stage 3: Muon, GWT-Muon and the paper's update at their 1,000-step lrs on reporting seeds 1-3 (one-lr
-# grids: no tuning run, unless they get the weight-decay axis); each tries weight decay 0.1 only if it
-# helped AdamW or GWT-AdamW (their family's evidence); stage 4 (AdamW at 0.75x of the budget on seeds 1-2,
-# the data-to-match ratio) in the same call. Stage 5 gives those three a fourth seed.
+# stage 3: Muon and GWT-Muon at their 1,000-step lrs on reporting seeds 1-3 (one-lr grids: no tuning run,
+# unless they get the weight-decay axis); the paper's update tuned at the full horizon on its 1,000-step
+# best and its factor-2 neighbours first (3 runs, about 1.5 h), because the default (detail_clip=0.5) is
+# judged against it and both AdamW's and GWT-AdamW's best lr doubled at the full horizon; each tries weight
+# decay 0.1 only if it helped AdamW or GWT-AdamW (their family's evidence); stage 4 (AdamW at 0.75x of the
+# budget on seeds 1-2, the data-to-match ratio) in the same call. Stage 5 gives those three a fourth seed.
 WDS=$("$PY" - "$OUT/budget.json" <<'EOF'
 import json, sys
 C = json.load(open(sys.argv[1]))["budget"]["contenders"]
@@ -56,7 +58,7 @@ print("0,0.1" if any(C.get(c, {}).get("best_wd") == 0.1 for c in ("adamw", "gwt-
 EOF
 ) || exit 2
 ALL=(--contenders adamw,gwt-adamw:level=2,muon,gwt-muon:level=2,gwt-adamw:level=2:detail_clip=none "${GRIDS[@]}"
-  --grid muon=3e-3 --grid gwt-muon:level=2=1e-2 --grid gwt-adamw:level=2:detail_clip=none=1e-3
+  --grid muon=3e-3 --grid gwt-muon:level=2=1e-2 --grid gwt-adamw:level=2:detail_clip=none=5e-4,1e-3,2e-3
   --weight-decays "$WDS" --match-budgets 0.75)
 run "${ALL[@]}" --report-seeds 1,2,3
 run "${ALL[@]}"  # stage 5: seed 4 for them too (AdamW and GWT-AdamW have theirs from stage 2)
