@@ -637,7 +637,10 @@ def _default_bars(out: dict[str, Any]) -> None:
         vs_paper = _against(t, C[paper], out["budget_tokens"])["gap"]
         bars = {"paper": bar_verdict(vs_paper, 0.0), "adamw": bar_verdict(t.get("gap") or {}, DEFAULT_MARGIN)}
         stays = None if None in bars.values() else all(v in ("met", "shown") for v in bars.values())
-        t["default"] = {"paper": paper, "vs_paper": vs_paper, "bars": bars, "stays": stays}
+        # an lr still on its grid's edge may be the loser's lr, not its update: no verdict on it
+        edge = [x for x in (c, paper) if C[x].get("edge") and len(C[x].get("lrs") or []) > 1]
+        t["default"] = {"paper": paper, "vs_paper": vs_paper, "bars": bars, "stays": None if edge else stays,
+                        "edge": edge}
 
 
 def _data_to_match(out: dict[str, Any]) -> None:
@@ -777,7 +780,8 @@ def render(report: dict[str, Any]) -> str:
                       f"| {c} | {P.BASELINE} | {_delta_cell(C[c].get('gap') or {})} | ≤ +{DEFAULT_MARGIN} | "
                       f"{d['bars']['adamw'] or '-'} |"]
             verdict = {True: "**the default stays**", False: "**the bar is not met: re-decide the default**",
-                       None: "not decided yet (runs missing)"}[d["stays"]]
+                       None: f"not decided: the best lr of {' and '.join(d['edge'])} is on its grid's edge"
+                       if d.get("edge") else "not decided yet (runs missing)"}[d["stays"]]
             lines += ["", f"{c}: {verdict}."]
     g = B.get("gates", {})
     ga, gb = g.get("a", {}), g.get("b", {})

@@ -227,6 +227,7 @@ def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_inte
     assert v({"mean": 0.0, "ci": 0.01}, 0.02) == "shown" and v({"mean": float("nan")}, 0.02) is None
     out = _report(2.5, 3.2)  # the default: 2.51 and 2.52 on seeds 1 and 2, AdamW 3.01 and 3.02
     C = out["contenders"]
+    C["gwt-adamw:level=2"]["edge"] = False  # (the fixture's grid is on its edge: see below)
     C["gwt-adamw:level=2:detail_clip=none"] = {
         "runs": [{"seed": 1, "val_loss": 2.7, "curve": []}, {"seed": 2, "val_loss": 2.9, "curve": []}],
         "mean": 2.8, "std": 0.14, "n": 2, "lrs": [1e-3], "best_lr": 1e-3}
@@ -249,7 +250,11 @@ def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_inte
     B.analyse(out, 0.3)
     assert C["gwt-adamw:level=2"]["default"]["bars"]["adamw"] == "not met"
     assert C["gwt-adamw:level=2"]["default"]["stays"] is False
-    C["gwt-adamw:level=2:detail_clip=none"]["runs"] = []  # not run yet: no verdict
+    C["gwt-adamw:level=2:detail_clip=none"].update(edge=True, lrs=[5e-4, 1e-3])  # its best lr on an edge
+    B.analyse(out, 0.3)
+    d = C["gwt-adamw:level=2"]["default"]
+    assert d["stays"] is None and d["edge"] == ["gwt-adamw:level=2:detail_clip=none"]
+    C["gwt-adamw:level=2:detail_clip=none"].update(edge=False, runs=[])  # not run yet: no verdict
     B.analyse(out, 0.3)
     assert C["gwt-adamw:level=2"]["default"]["stays"] is None
 
