@@ -194,6 +194,29 @@ def test_a_free_worker_takes_the_waiting_call_of_lowest_priority_and_errors_reac
         bad.result()
 
 
+def test_a_freed_worker_waits_for_the_calls_its_finished_call_releases():
+    """A stage waiting on a run queues its next runs when the run ends; they must compete for the slot the
+    run frees, not lose it to a lower-priority call that waited longer (the budget study's weight-decay run
+    and the reporting seeds that wait on it)."""
+    import threading
+
+    pool, order = R.PriorityPool(1), []
+    pool.SETTLE, pool.SETTLE_MAX = 4.0, 4.0  # a 0.5 s call: its worker waits 2 s, ample for a waiting thread
+    first = pool.submit(lambda: time.sleep(0.5) or order.append("tuning"), priority=(0,))
+    later = pool.submit(order.append, "seed 3", priority=(1, 3))
+
+    def stage():  # waits for the tuning run, then queues the run that depends on it
+        first.result()
+        pool.submit(order.append, "seed 1", priority=(1, 1)).result()
+
+    waiter = threading.Thread(target=stage)
+    waiter.start()
+    waiter.join(timeout=60)
+    later.result(timeout=60)
+    pool.shutdown()
+    assert order == ["tuning", "seed 1", "seed 3"]
+
+
 def test_spec_text_round_trips_as_written():
     from gwt_optim.registry import format_spec, parse_optimizer_arg, split_spec
 
