@@ -108,6 +108,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="when a contender's best lr lands on its grid's edge, tune one more lr beyond that edge "
                         "(the grid's own ratio there), up to N times per contender, so that gate (a) can pass "
                         "without a new call (default 0: the grid as given)")
+    g.add_argument("--prior-best", action="append", default=[], metavar="SPEC=LR[,WD]",
+                   help="an earlier tuning's best (lr, weight decay) for SPEC, whose runs were lost: its reporting "
+                        "runs start first, ahead of the tuning that re-decides it, so a study started over gets its "
+                        "seeds first. The report uses the tuning's best when the tuning is complete and says "
+                        "whether it agrees; until then it reports at the prior best and says so. Needs --beta2 and "
+                        "one --beta2s value")
     g.add_argument("--beta2", type=float,
                    help="beta2 of every contender but AdamW, fixed now (default: AdamW's best, so they wait for it)")
     g.add_argument("--tune-steps", type=int, help="steps of a tuning run (default: the budget's)")
@@ -269,10 +275,11 @@ def paired_delta_curve(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[
 
 class Budget:
     """The three stages on one shared pool of ``jobs`` processes. Waiting runs start in order of
-    :attr:`TUNE`, then reporting runs by seed (each seed's runs of every contender before the next seed's,
-    so that an interim report has paired seeds), then the data-to-match runs by seed."""
+    :attr:`PRIOR` (reporting runs at a ``--prior-best``, by seed), :attr:`TUNE`, then reporting runs by seed
+    (each seed's runs of every contender before the next seed's, so that an interim report has paired
+    seeds), then the data-to-match runs by seed."""
 
-    TUNE, REPORT, MATCH = 0, 1, 2
+    PRIOR, TUNE, REPORT, MATCH = -1, 0, 1, 2
 
     def __init__(self, args, base: dict[str, Any], windows: int, start: float):
         self.args = args
@@ -356,12 +363,18 @@ class Budget:
                 "best_tune_loss": best[0] if best else None,
                 "edge": bool(best) and len(lrs) > 1 and best[1] in (lrs[0], lrs[-1])}
 
-    def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
-               runner: P.Runner | None = None) -> dict[str, Any]:
-        rank = self.REPORT if runner is None else self.MATCH
+    def submit_report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
+                      runner: P.Runner | None = None, rank: int | None = None) -> tuple[dict, dict]:
+        """Queue the runs of :meth:`report` (a run already queued keeps its place): (jobs, futures) by seed."""
+        rank = rank if rank is not None else self.REPORT if runner is None else self.MATCH
         runner = runner or self.reporter
         jobs = {s: P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, beta2), wd), lr), lr, s) for s in seeds}
-        futs = {s: runner.submit(j, priority=(rank, s)) for s, j in jobs.items()}
+        return jobs, {s: runner.submit(j, priority=(rank, s)) for s, j in jobs.items()}
+
+    def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
+               runner: P.Runner | None = None) -> dict[str, Any]:
+        jobs, futs = self.submit_report(label, lr, beta2, seeds, wd, runner)
+        runner = runner or self.reporter
         runs = []
         for s, f in futs.items():
             r = f.result()
@@ -472,11 +485,51 @@ def weight_decays_of(text: str, base: float = 0.0) -> list[float]:
     return wds
 
 
+def priors_of(args, grids: dict[str, list[float]], beta2s: list[float], wds: list[float]
+              ) -> dict[str, tuple[float, float, float]]:
+    """``--prior-best SPEC=LR[,WD]`` -> {label: (lr, wd, beta2)}."""
+    priors: dict[str, tuple[float, float, float]] = {}
+    for item in args.prior_best:
+        spec, _, value = item.rpartition("=")
+        label = P.contender_label(spec) if spec else ""
+        vals = P.floats(value) if value else []
+        if label not in grids or len(vals) not in (1, 2):
+            raise ValueError(f"--prior-best {item!r}: expected SPEC=LR[,WD] for one of the contenders")
+        lr, wd = vals[0], vals[1] if len(vals) == 2 else wds[0]
+        if not (P.finite(lr) and lr > 0) or wd not in wds:
+            raise ValueError(f"--prior-best {item!r}: the lr must be > 0 and the weight decay one of "
+                             f"--weight-decays ({','.join(f'{w:g}' for w in wds)})")
+        if args.beta2 is None or len(beta2s) != 1:
+            raise ValueError("--prior-best: give --beta2 and one --beta2s value, so that the prior's beta2 is known")
+        priors[label] = (lr, wd, beta2s[0] if label == P.BASELINE else args.beta2)
+    return priors
+
+
+_UNFINISHED = ("missing", "skipped", "stopped")
+
+
+def _unfinished(t: dict[str, Any]) -> bool:
+    """Some tuning run of ``t`` (lr grid or weight decay) has not finished (an interim ``--report-only``): the
+    best so far may not be the best."""
+    return any(x in _UNFINISHED for d in (t.get("status") or {}, t.get("wd_status") or {}) for xs in d.values()
+               for x in xs)
+
+
 def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]], beta2s: list[float],
             wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int],
             match_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
+    # The lr grid runs at --weight-decay (wds[0]); a spec names its weight decay only off that value, so
+    # the lr grid's runs keep their folders whether or not the axis is given.
+    def wd_spec(wd: float) -> float | None:
+        return None if wd == wds[0] else wd
+
+    priors = priors_of(args, grids, beta2s, wds)
     try:
+        # before any tuning run, so that they take the first slots
+        for c, (lr, wd, b2) in priors.items():
+            if not args.tune_only:
+                b.submit_report(c, lr, b2, report_seeds, wd_spec(wd), rank=b.PRIOR)
         # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
         given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
         others = [c for c in grids if c != P.BASELINE and c not in given]
@@ -496,19 +549,24 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
         out["beta2"] = beta2
         out["adamw_best_beta2"] = base_t["best_beta2"]
 
-        # The lr grid runs at --weight-decay (wds[0]); a spec names its weight decay only off that value, so
-        # the lr grid's runs keep their folders whether or not the axis is given.
-        def wd_spec(wd: float) -> float | None:
-            return None if wd == wds[0] else wd
-
         def tuned(label: str) -> dict[str, Any]:
             if label in given:
                 return {**b.given(label, grids[label][0], beta2), "best_wd": wds[0]}
             t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
                                                           pending.get(label))
-            if t["best_lr"] is None or len(wds) < 2:
-                return {**t, "best_wd": wds[0]}
-            return {**t, **b.tune_weight_decay(label, t, wds, tune_seeds)}
+            if t["best_lr"] is not None and len(wds) > 1:
+                t = {**t, **b.tune_weight_decay(label, t, wds, tune_seeds)}
+            else:
+                t = {**t, "best_wd": wds[0]}
+            if label not in priors:
+                return t
+            # a tuning not finished yet (a report between sessions) decides nothing: report at the prior best
+            lr, wd, b2 = priors[label]
+            prior = {"lr": lr, "wd": wd, "complete": not _unfinished(t),
+                     "agrees": (t["best_lr"], t["best_wd"], t["best_beta2"]) == (lr, wd, b2)}
+            if prior["complete"]:
+                return {**t, "prior": prior}
+            return {**t, "prior": prior, "best_lr": lr, "best_wd": wd, "best_beta2": b2, "edge": False}
 
         def contender(label: str, t: dict[str, Any]) -> dict[str, Any]:
             if t["best_lr"] is None or args.tune_only:
@@ -570,11 +628,6 @@ def _against(t: dict[str, Any], base: dict[str, Any], budget: int) -> dict[str, 
             "speedup_paired": {**paired, "reached": len(speedups), "of": len(per_seed)}}
 
 
-def _missing(t: dict[str, Any]) -> bool:
-    """Some tuning run has not finished (an interim ``--report-only``): the best so far may not be the best."""
-    return any("missing" in st for st in (t.get("status") or {}).values())
-
-
 def analyse(out: dict[str, Any], gate_nats: float) -> None:
     """Gaps, token ratios and gates, in place (pure: the report can be rebuilt from the JSON)."""
     C = out["contenders"]
@@ -596,12 +649,12 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     trained = base_runs.get(fr["runs"][0]["seed"]) if fr.get("runs") else None
     # An unfinished side is no verdict yet (a diverged one is: its loss is nan, its status "diverged")
     unfinished = {r["seed"] for r in base.get("runs", []) + fr.get("runs", [])
-                  if r.get("status") in ("missing", "skipped", "stopped")}
+                  if r.get("status") in _UNFINISHED}
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
         # A one-lr "grid" has no edge to fail, and no tuning to pass either: it is not judged.
-        "a": {c: None if t.get("best_lr") is None or _missing(t) or len(t.get("lrs") or []) < 2
+        "a": {c: None if t.get("best_lr") is None or _unfinished(t) or len(t.get("lrs") or []) < 2
               else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
               "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
@@ -728,6 +781,12 @@ def render(report: dict[str, Any]) -> str:
                 f"{k}: {c}" for k, c in zip(t["wd_grid"], wd_cells))]
         if t.get("extended"):
             lines += ["", f"lr grid extended {t['extended']} time(s) beyond the edge its best sat on (--extend-edges)"]
+        if pr := t.get("prior"):
+            at = f"lr {P.fmt_lr(pr['lr'])}, weight decay {pr['wd']:g}"
+            lines += ["", f"Reporting runs started first at an earlier tuning's best ({at}, `--prior-best`): " + (
+                "the tuning here agrees." if pr["complete"] and pr["agrees"] else
+                "**the tuning here chose another best: the report uses it.**" if pr["complete"] else
+                "the tuning here has not finished, so it is **reported at that prior best**.")]
         lines.append("")
     lines += ["## At the budget (reporting seeds)", "",
               "| optimizer | matrix lr | weight decay | val loss (mean ± std) | Δ vs AdamW (paired, ± 95% t) | "

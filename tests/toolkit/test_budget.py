@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -168,6 +169,7 @@ def _report(gwt_final: float, frozen: float) -> dict:
 
 def test_gaps_speedups_and_gates():
     out = _report(2.5, 3.2)
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     g = out["contenders"]["gwt-adamw:level=2"]
     assert g["gap"]["mean"] == pytest.approx(-0.5) and g["gap"]["n"] == 2
@@ -193,6 +195,7 @@ def test_each_gwt_family_is_also_measured_against_the_optimizer_it_transforms():
     assert B.family_base("gwt-adamw:level=2", list(C)) == "adamw" and B.family_base("adafactor", list(C)) is None
     # Not Adafactor at its own defaults: no pair.
     assert B.family_base("gwt-adafactor:level=2", ["adamw", "adafactor:beta2=0.95"]) is None
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     v = C["gwt-adafactor:level=2"]["vs_family"]
     assert v["base"] == "adafactor" and v["gap"]["mean"] == pytest.approx(-0.15) and v["gap"]["n"] == 2
@@ -231,6 +234,7 @@ def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_inte
     C["gwt-adamw:level=2:detail_clip=none"] = {
         "runs": [{"seed": 1, "val_loss": 2.7, "curve": []}, {"seed": 2, "val_loss": 2.9, "curve": []}],
         "mean": 2.8, "std": 0.14, "n": 2, "lrs": [1e-3], "best_lr": 1e-3}
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     d = C["gwt-adamw:level=2"]["default"]
     assert d["paper"] == "gwt-adamw:level=2:detail_clip=none" and d["vs_paper"]["mean"] == pytest.approx(-0.285)
@@ -247,14 +251,17 @@ def test_the_default_is_judged_against_the_papers_update_and_adamw_with_the_inte
     assert "gwt-adamw:level=2: **the default stays**." in text
     C["gwt-adamw:level=2"]["runs"][0]["val_loss"] = 3.05  # 0.04 and 0.08 behind AdamW: 0.06 on the mean
     C["gwt-adamw:level=2"]["runs"][1]["val_loss"] = 3.1
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert C["gwt-adamw:level=2"]["default"]["bars"]["adamw"] == "not met"
     assert C["gwt-adamw:level=2"]["default"]["stays"] is False
     C["gwt-adamw:level=2:detail_clip=none"].update(edge=True, lrs=[5e-4, 1e-3])  # its best lr on an edge
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     d = C["gwt-adamw:level=2"]["default"]
     assert d["stays"] is None and d["edge"] == ["gwt-adamw:level=2:detail_clip=none"]
     C["gwt-adamw:level=2:detail_clip=none"].update(edge=False, runs=[])  # not run yet: no verdict
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert C["gwt-adamw:level=2"]["default"]["stays"] is None
 
@@ -401,6 +408,95 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
     assert started == [("tune", 0)] + [("report", s) for s in (1, 1, 2, 2, 3, 3, 4, 4)] + [("match", 1), ("match", 2)]
 
 
+def _study(tmp_path, priors, *, tuning_finished=True):
+    """Stages 1-3 of a small study (AdamW and GWT-AdamW, lrs 1e-3/2e-3/4e-3, weight decays 0 and 0.1,
+    reporting seeds 1-2, no frozen run) on one held worker, with ``--prior-best`` ``priors``: (the report,
+    the runs in the order they started). A run's loss is least at lr 2e-3 and weight decay 0."""
+    import math
+    import threading
+    from types import SimpleNamespace
+
+    from gwt_optim.toolkit.runner import PriorityPool
+
+    pool, gate, started, futs = PriorityPool(1), threading.Event(), [], {}
+    held = pool.submit(gate.wait)
+
+    class Stage:  # a runner of one stage on the shared pool; a run queued twice is queued once, as Runner does
+        def __init__(self, name):
+            self.name = name
+
+        def submit(self, job, priority):
+            def run():
+                started.append((self.name, job.spec.split("@")[0], job.lr, job.seed))
+                if self.name == "tune" and not tuning_finished:
+                    return {"val_loss": float("nan"), "status": "missing"}
+                decayed = "weight_decay" in job.spec
+                return {"val_loss": 2.5 + math.log(job.lr / 2e-3) ** 2 + 0.01 * decayed, "status": "ok"}
+            key = (self.name, job.spec, job.lr, job.seed)
+            if key not in futs:
+                futs[key] = pool.submit(run, priority=priority)
+            return futs[key]
+
+        def run_dir(self, job):
+            return tmp_path / "no-run"
+
+        def shutdown(self):
+            pass
+
+    b = object.__new__(B.Budget)
+    b.T, b.R, b.tuner, b.reporter, b.matchers = 128, 3e-3, Stage("tune"), Stage("report"), {}
+    b.args = args = SimpleNamespace(beta2=0.999, tune_only=False, extend_edges=0, prior_best=priors)
+    grids = {"adamw": [1e-3, 2e-3, 4e-3], "gwt-adamw:level=2": [1e-3, 2e-3, 4e-3]}
+    out = {"contenders": {}}
+    study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], [0.0, 0.1], [0], [1, 2], [], []))
+    study.start()
+    from _waiting import wait_for
+    # the prior's reporting runs and AdamW's lr grid (the others wait for AdamW's beta2)
+    wait_for(lambda: sum(k[0] == "tune" for k in futs) >= 3, "the first runs queued")
+    gate.set()
+    study.join(60)
+    assert not study.is_alive() and held.result()
+    pool.shutdown()
+    return out, started
+
+
+def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_it(tmp_path):
+    """A study started over (its runs lost) gets its reporting seeds first, at the best an earlier tuning found;
+    the tuning runs after them, and the report follows the tuning and says whether it agrees."""
+    with pytest.raises(ValueError, match="prior-best"):
+        B.priors_of(SimpleNamespace(prior_best=["muon=1e-3"], beta2=0.999), {"adamw": [1e-3]}, [0.999], [0.0])
+    with pytest.raises(ValueError, match="weight decay"):
+        B.priors_of(SimpleNamespace(prior_best=["adamw=1e-3,0.3"], beta2=0.999), {"adamw": [1e-3]}, [0.999],
+                    [0.0, 0.1])
+    with pytest.raises(ValueError, match="beta2"):
+        B.priors_of(SimpleNamespace(prior_best=["adamw=1e-3"], beta2=None), {"adamw": [1e-3]}, [0.999], [0.0])
+    out, started = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"])
+    first = [(stage, spec.split(":")[0], lr, seed) for stage, spec, lr, seed in started[:4]]
+    assert first == [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1),
+                     ("report", "adamw", 2e-3, 2), ("report", "gwt-adamw", 4e-3, 2)]
+    assert {stage for stage, *_ in started[4:12]} == {"tune"}  # both lr grids and weight decays
+    C = out["contenders"]
+    assert C["adamw"]["prior"] == {"lr": 2e-3, "wd": 0.0, "complete": True, "agrees": True}
+    assert C["adamw"]["best_lr"] == 2e-3 and [r["val_loss"] for r in C["adamw"]["runs"]] == [2.5, 2.5]
+    # GWT-AdamW's prior (4e-3, 0.1) is not what the tuning finds: it reports at the tuning's (2e-3, 0)
+    g = C["gwt-adamw:level=2"]
+    assert g["prior"]["complete"] and not g["prior"]["agrees"] and (g["best_lr"], g["best_wd"]) == (2e-3, 0.0)
+    assert [r["val_loss"] for r in g["runs"]] == [2.5, 2.5] and started[-2:] == [
+        ("report", g["runs"][0]["spec"].split("@")[0], 2e-3, 1), ("report", g["runs"][1]["spec"].split("@")[0],
+                                                                  2e-3, 2)]
+    # Between sessions (--report-only) the tuning runs are missing: reported at the prior best, and said so
+    out, _ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], tuning_finished=False)
+    g = out["contenders"]["gwt-adamw:level=2"]
+    assert (g["best_lr"], g["best_wd"], g["prior"]["complete"]) == (4e-3, 0.1, False) and g["mean"] > 2.5
+    out["budget_tokens"] = 2000
+    B.analyse(out, 0.3)
+    assert out["gates"]["a"] == {"adamw": None, "gwt-adamw:level=2": None}  # not tuned yet: no verdict
+    out.update(setting=_SETTING, train_tokens=1, beta2s=[0.999], jobs=1, threads=1, command="c", environment={})
+    text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
+                                        "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
+    assert "(lr 0.004, weight decay 0.1, `--prior-best`): the tuning here has not finished" in text
+
+
 _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 0, "min_lr_ratio": 0.1,
             "grad_clip": 1.0, "weight_decay": 0.0, "precision": "fp32", "device": "cpu"}
 
@@ -505,6 +601,7 @@ def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
     out = _report(2.5, 3.2)
     out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": None, "lrs": [1e-2]}
     out["frozen"] = {}
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is None and out["gates"]["b"]["frozen"] is None
     assert not out["gates"]["b"]["ran"]
@@ -513,21 +610,25 @@ def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
     out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": 3e-3, "edge": True, "lrs": [3e-3, 1e-2],
                                  "status": {"0.999:0.003": ["ok"], "0.999:0.01": ["missing"]}}
     out["frozen"] = {"runs": [{"seed": 1, "val_loss": float("nan"), "status": "missing"}]}
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is None and not out["gates"]["b"]["ran"] and not out["gates"]["b"]["pass"]
     out["contenders"]["muon"]["status"]["0.999:0.01"] = ["ok"]
     out["frozen"]["runs"][0]["status"] = "diverged"  # finished, and worse than anything: a failure
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is False and out["gates"]["b"]["ran"] and not out["gates"]["b"]["pass"]
     assert not out["gates"]["b"]["waiting"]
     # The frozen run finished and AdamW's run on its seed has not: no verdict yet either, not a failure.
     out["frozen"]["runs"][0].update(status="ok", val_loss=3.88)
     out["contenders"]["adamw"]["runs"][0].update(status="missing", val_loss=float("nan"))
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert out["gates"]["b"]["ran"] and out["gates"]["b"]["waiting"] and not out["gates"]["b"]["pass"]
     # One lr given (a contender reported at a known lr, not tuned in this study): no edge to fail, no grid to pass.
     out["contenders"]["muon"] = {"runs": [], "mean": None, "best_lr": 3e-3, "edge": False, "lrs": [3e-3],
                                  "status": {"0.999:0.003": ["ok"]}}
+    out["budget_tokens"] = 2000
     B.analyse(out, 0.3)
     assert out["gates"]["a"]["muon"] is None
     assert B._gate_a_word(None, out["contenders"]["muon"]) == "one lr, not tuned here"
