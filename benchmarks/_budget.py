@@ -526,10 +526,11 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
 
     priors = priors_of(args, grids, beta2s, wds)
     try:
-        # before any tuning run, so that they take the first slots
-        for c, (lr, wd, b2) in priors.items():
-            if not args.tune_only:
-                b.submit_report(c, lr, b2, report_seeds, wd_spec(wd), rank=b.PRIOR)
+        # before any tuning run, so that they take the first slots; seed by seed, because idle workers take
+        # the first submissions at once, before any ordering by priority
+        for s in report_seeds if priors and not args.tune_only else []:
+            for c, (lr, wd, b2) in priors.items():
+                b.submit_report(c, lr, b2, [s], wd_spec(wd), rank=b.PRIOR)
         # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
         given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
         others = [c for c in grids if c != P.BASELINE and c not in given]

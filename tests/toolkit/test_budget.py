@@ -411,14 +411,14 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
 def _study(tmp_path, priors, *, tuning_finished=True):
     """Stages 1-3 of a small study (AdamW and GWT-AdamW, lrs 1e-3/2e-3/4e-3, weight decays 0 and 0.1,
     reporting seeds 1-2, no frozen run) on one held worker, with ``--prior-best`` ``priors``: (the report,
-    the runs in the order they started). A run's loss is least at lr 2e-3 and weight decay 0."""
+    the runs in the order they started, and in the order they were submitted). A run's loss is least at lr 2e-3 and weight decay 0."""
     import math
     import threading
     from types import SimpleNamespace
 
     from gwt_optim.toolkit.runner import PriorityPool
 
-    pool, gate, started, futs = PriorityPool(1), threading.Event(), [], {}
+    pool, gate, started, submitted, futs = PriorityPool(1), threading.Event(), [], [], {}
     held = pool.submit(gate.wait)
 
     class Stage:  # a runner of one stage on the shared pool; a run queued twice is queued once, as Runner does
@@ -434,6 +434,7 @@ def _study(tmp_path, priors, *, tuning_finished=True):
                 return {"val_loss": 2.5 + math.log(job.lr / 2e-3) ** 2 + 0.01 * decayed, "status": "ok"}
             key = (self.name, job.spec, job.lr, job.seed)
             if key not in futs:
+                submitted.append((self.name, job.spec.split(":")[0], job.lr, job.seed))
                 futs[key] = pool.submit(run, priority=priority)
             return futs[key]
 
@@ -457,7 +458,7 @@ def _study(tmp_path, priors, *, tuning_finished=True):
     study.join(60)
     assert not study.is_alive() and held.result()
     pool.shutdown()
-    return out, started
+    return out, started, submitted
 
 
 def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_it(tmp_path):
@@ -470,10 +471,10 @@ def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_i
                     [0.0, 0.1])
     with pytest.raises(ValueError, match="beta2"):
         B.priors_of(SimpleNamespace(prior_best=["adamw=1e-3"], beta2=None), {"adamw": [1e-3]}, [0.999], [0.0])
-    out, started = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"])
+    out, started, submitted = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"])
     first = [(stage, spec.split(":")[0], lr, seed) for stage, spec, lr, seed in started[:4]]
-    assert first == [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1),
-                     ("report", "adamw", 2e-3, 2), ("report", "gwt-adamw", 4e-3, 2)]
+    assert first == submitted[:4] == [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1),
+                                      ("report", "adamw", 2e-3, 2), ("report", "gwt-adamw", 4e-3, 2)]
     assert {stage for stage, *_ in started[4:12]} == {"tune"}  # both lr grids and weight decays
     C = out["contenders"]
     assert C["adamw"]["prior"] == {"lr": 2e-3, "wd": 0.0, "complete": True, "agrees": True}
@@ -485,7 +486,7 @@ def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_i
         ("report", g["runs"][0]["spec"].split("@")[0], 2e-3, 1), ("report", g["runs"][1]["spec"].split("@")[0],
                                                                   2e-3, 2)]
     # Between sessions (--report-only) the tuning runs are missing: reported at the prior best, and said so
-    out, _ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], tuning_finished=False)
+    out, *_ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], tuning_finished=False)
     g = out["contenders"]["gwt-adamw:level=2"]
     assert (g["best_lr"], g["best_wd"], g["prior"]["complete"]) == (4e-3, 0.1, False) and g["mean"] > 2.5
     out["budget_tokens"] = 2000
@@ -539,10 +540,23 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert not img.exists()  # the interim picture goes beside the results plot, never over it
     table = B.progress_table(out)  # the interim record: every run folder, finished or not
     assert table.count("| tune |") == 2 and table.count("| report |") == 3 and "| 4 / 4 |" in table
-    # --resume reuses every run
-    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # The run records (run_records.py) carry a study to another machine: saved (no checkpoints; saving again
+    # changes nothing) and loaded into a fresh folder, --resume reuses every run and the report is the same.
+    import run_records
+
+    records, moved = tmp_path / "records", tmp_path / "moved"
+    finished = list(out.glob("*/runs/*/seed*/*/summary.json"))
+    assert len(run_records.save(out, records)) == len(finished) >= 6 and run_records.save(out, records) == []
+    assert not [p for p in records.rglob("*") if "checkpoint" in p.name]
+    assert len(run_records.load(records, moved)) == len(finished) and run_records.load(records, moved) == []
+    again = subprocess.run(cmd[:-4] + ["--out", str(moved), "--plot", "", "--resume"], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "'ran': 0" in again.stdout, again.stdout[-2000:]
+
+    def figures(md):
+        return [line for line in md.splitlines() if not line.startswith(("Runs:", "Command:"))]
+
+    assert figures((moved / "budget.md").read_text()) == figures(md)
     # --tune-only runs the grids and no reporting or frozen run; the report says what is not run yet.
     # With a weight-decay axis, each contender also runs once at its best lr with weight decay 0.1 (so the
     # one-lr grid now runs its lr too, to compare against); the lr grid's runs keep their folders, so a copy
