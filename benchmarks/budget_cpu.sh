@@ -8,7 +8,7 @@
 # With COMMIT, it runs from a snapshot of that commit (`git archive` into OUT.tree), so that editing the
 # checkout while the queue runs (days, on 2 cores) never changes the code it runs; `--commit` records it.
 # The two jobs run at one thread each and at nice 19. Save finished runs into the repository as they land:
-#   python benchmarks/run_records.py save OUT docs/results/budget-cpu/runs
+#   python benchmarks/run_records.py save OUT docs/results/budget-cpu/records
 # EXTRA (flags, last wins) shrinks it for a rehearsal:
 #   EXTRA="--budget 512 --tune-steps 2 --data tests/data/finetune/lm_text --model llama_9m --vocab-size 320
 #          --seq-len 32 --tokens-per-step 128 --val-tokens 256 --evals 2" bash benchmarks/budget_cpu.sh /tmp/b
@@ -29,7 +29,7 @@ cd "$ROOT"
 [ -n "$COMMIT" ] && export GWT_OPTIM_COMMIT=$COMMIT
 # The runs this study finished on earlier machines (committed by `run_records.py save`): a run finished here
 # wins, any other is loaded and reused by --resume where its configuration is the one asked for.
-RECORDS=docs/results/budget-cpu/runs
+RECORDS=docs/results/budget-cpu/records
 [ -d "$RECORDS" ] && { "$PY" benchmarks/run_records.py load "$RECORDS" "$OUT" || exit 2; }
 stopped=0
 run() {  # one stage; a signal to this script stops the stage (its runs save) and the queue

@@ -5,6 +5,9 @@ written into its report were left).
     python benchmarks/run_records.py save OUT RECORDS   # every finished run of OUT into RECORDS
     python benchmarks/run_records.py load RECORDS OUT   # each record into OUT, where OUT lacks that finished run
 
+RECORDS mirrors OUT without its ``runs`` folders (``STAGE/tokens.../seedN/RUN`` for ``STAGE/runs/tokens.../
+seedN/RUN``), which the repository's .gitignore leaves out wherever they are.
+
 A record is what the report and ``--resume`` read of a run: its configuration, summary, environment (the
 commits it ran from) and ``metrics.jsonl`` (gzipped, byte-stable, so that saving again changes nothing);
 no checkpoints and no weights. A loaded run counts as finished only where its ``config.json`` is the run a
@@ -57,7 +60,8 @@ def save(out: Path, records: Path) -> list[Path]:
     for _, run, _ in run_folders(out):
         if not (run / "summary.json").is_file():
             continue
-        dest = records / run.relative_to(out)
+        stage, _, *rest = run.relative_to(out).parts  # _: "runs"
+        dest = records.joinpath(stage, *rest)
         dest.mkdir(parents=True, exist_ok=True)
         wrote = [_write(dest / name, _read(run / name)) for name in FILES if (run / name).exists()]
         if (run / METRICS).exists():
@@ -70,9 +74,10 @@ def save(out: Path, records: Path) -> list[Path]:
 def load(records: Path, out: Path) -> list[Path]:
     """Each record into ``out`` where ``out`` has no finished run in its folder; the runs loaded."""
     loaded = []
-    for summary in sorted(records.glob("*/runs/*/seed*/*/summary.json")):
+    for summary in sorted(records.glob("*/*/seed*/*/summary.json")):
         rec = summary.parent
-        run = out / rec.relative_to(records)
+        stage, *rest = rec.relative_to(records).parts
+        run = out.joinpath(stage, "runs", *rest)
         if (run / "summary.json").is_file():
             continue  # finished here: this machine's run wins
         run.mkdir(parents=True, exist_ok=True)
