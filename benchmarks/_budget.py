@@ -613,12 +613,18 @@ def family_base(label: str, labels: Sequence[str]) -> str | None:
 
 def _against(t: dict[str, Any], base: dict[str, Any], budget: int) -> dict[str, Any]:
     """``t`` against ``base``: the paired gap over the seeds both finished, and the tokens ``t``'s
-    seed-mean curve needs to reach ``base``'s mean final loss (the speedup is the budget over them)."""
+    seed-mean curve needs to reach ``base``'s mean final loss on the same seeds (the speedup is the budget
+    over them). An interim report has seeds one side has not finished; a diverged seed counts (its nan
+    leaves the seed-mean speedup unreached)."""
     seeds = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
+    status = {r["seed"]: r.get("status") for r in base.get("runs", [])}
     mine = {r["seed"]: r for r in t.get("runs", [])}
     gap = P.paired_gap({s: r["val_loss"] for s, r in mine.items()}, seeds)
     gap["ci"] = t_interval([mine[s]["val_loss"] - seeds[s] for s in gap["seeds"]])["half"]
-    target, curve = base.get("mean"), mean_curve(t.get("runs", []))
+    done = [s for s, r in mine.items() if s in seeds and r.get("status") not in _UNFINISHED
+            and status[s] not in _UNFINISHED]
+    target = sum(seeds[s] for s in done) / len(done) if done else None
+    curve = mean_curve([mine[s] for s in done])
     reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
     # Per seed: the tokens this seed's curve needs to reach the baseline's final loss on the same seed.
     per_seed = {s: tokens_to_reach(mine[s].get("curve") or [], seeds[s]) for s in gap["seeds"]}
@@ -900,7 +906,7 @@ def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
     base_runs = B["contenders"].get(P.BASELINE, {}).get("runs", [])
     late: list[float] = []  # |Δ| + band over each run's second half, where the ranking settles
     for c, t in B["contenders"].items():
-        curve = mean_curve(t.get("runs", []))
+        curve = mean_curve([r for r in t.get("runs", []) if r.get("status") not in _UNFINISHED])
         if not curve:
             continue
         line, = ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], label=f"{c} (lr {t.get('best_lr'):g})")

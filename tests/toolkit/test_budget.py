@@ -167,6 +167,25 @@ def _report(gwt_final: float, frozen: float) -> dict:
         "frozen": {"runs": [{"seed": 1, "val_loss": frozen}]}}
 
 
+def test_an_interim_report_measures_the_seed_mean_speedup_on_the_seeds_both_finished():
+    """Seeds 3-4 still running (their curves partial): the seed-mean speedup is taken on seeds 1-2, against
+    AdamW's mean on seeds 1-2, as the paired gap is; a diverged seed leaves it unreached."""
+    def runs(final, done=(1, 2), todo=(3, 4)):
+        return [{"seed": s, "val_loss": final + 0.01 * s, "status": "ok",
+                 "curve": [(1000, final + 1), (2000, final + 0.01 * s)]} for s in done] + [
+            {"seed": s, "val_loss": None, "status": "missing", "curve": [(1000, final + 0.5)]} for s in todo]
+
+    base = {"runs": runs(3.0), "mean": 3.015}
+    vs = B._against({"runs": runs(2.5)}, base, 2000)
+    # seeds 1-2: the mean curve 3.5 -> 2.515 reaches AdamW's 3.015 at 1000 + 1000 * 0.485 / 0.985 tokens
+    reach = 1000 + 1000 * 0.485 / 0.985
+    assert vs["gap"]["n"] == 2 and vs["tokens_to_target"] == pytest.approx(reach)
+    assert vs["speedup"] == pytest.approx(2000 / reach)
+    diverged = runs(2.5)
+    diverged[1].update(val_loss=float("nan"), status="diverged", curve=[(1000, 3.5)])
+    assert B._against({"runs": diverged}, base, 2000)["speedup"] is None
+
+
 def test_gaps_speedups_and_gates():
     out = _report(2.5, 3.2)
     out["budget_tokens"] = 2000
