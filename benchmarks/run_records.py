@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _budget import run_folders  # noqa: E402  (the study's folder layout, in one place)
 
-FILES = ("config.json", "requested_config.json", "summary.json", "environment.json")  # FILES[2]: the summary
-METRICS = "metrics.jsonl"
+FILES = ("config.json", "requested_config.json", "environment.json")
+SUMMARY, METRICS = "summary.json", "metrics.jsonl"
 
 
 def _read(path: Path) -> bytes:
@@ -58,12 +58,12 @@ def save(out: Path, records: Path) -> list[Path]:
     """Every finished run (with a summary.json) of ``out`` into ``records``; the records written or changed."""
     changed = []
     for _, run, _ in run_folders(out):
-        if not (run / "summary.json").is_file():
+        if not (run / SUMMARY).is_file():
             continue
         stage, _, *rest = run.relative_to(out).parts  # _: "runs"
         dest = records.joinpath(stage, *rest)
         dest.mkdir(parents=True, exist_ok=True)
-        wrote = [_write(dest / name, _read(run / name)) for name in FILES if (run / name).exists()]
+        wrote = [_write(dest / name, _read(run / name)) for name in (*FILES, SUMMARY) if (run / name).exists()]
         if (run / METRICS).exists():
             wrote.append(_write(dest / f"{METRICS}.gz", _gzip(_read(run / METRICS))))
         if any(wrote):
@@ -74,20 +74,20 @@ def save(out: Path, records: Path) -> list[Path]:
 def load(records: Path, out: Path) -> list[Path]:
     """Each record into ``out`` where ``out`` has no finished run in its folder; the runs loaded."""
     loaded = []
-    for summary in sorted(records.glob("*/*/seed*/*/summary.json")):
+    for summary in sorted(records.glob(f"*/*/seed*/*/{SUMMARY}")):
         rec = summary.parent
         stage, *rest = rec.relative_to(records).parts
         run = out.joinpath(stage, "runs", *rest)
-        if (run / "summary.json").is_file():
+        if (run / SUMMARY).is_file():
             continue  # finished here: this machine's run wins
         run.mkdir(parents=True, exist_ok=True)
-        for name in FILES[:2] + FILES[3:]:
+        for name in FILES:
             if (rec / name).exists():
                 _write(run / name, _read(rec / name))
         if (rec / f"{METRICS}.gz").exists():
             _write(run / METRICS, gzip.decompress(_read(rec / f"{METRICS}.gz")))
         # the summary last: until it is there, a cut-short load is a run that has not finished
-        _write(run / "summary.json", _read(summary))
+        _write(run / SUMMARY, _read(summary))
         loaded.append(run)
     return loaded
 
