@@ -397,9 +397,14 @@ def beyond_edge(lrs: list[float], edge: float) -> float:
     return float(f"{lrs[0] * lrs[0] / lrs[1]:.2g}")
 
 
+def _tuned(t: dict[str, Any]) -> bool:
+    """Whether ``t``'s lr was chosen on a grid: a one-lr "grid" has no edge to fail and no tuning to pass."""
+    return len(t.get("lrs") or []) > 1
+
+
 def _gate_a_word(ok: bool | None, t: dict[str, Any]) -> str:
     if ok is None:
-        return "one lr, not tuned here" if len(t.get("lrs") or []) == 1 and t.get("best_lr") else "not tuned yet"
+        return "one lr, not tuned here" if not _tuned(t) and t.get("best_lr") else "not tuned yet"
     return "pass" if ok else "**FAIL** (edge)"
 
 
@@ -616,13 +621,13 @@ def _against(t: dict[str, Any], base: dict[str, Any], budget: int) -> dict[str, 
     seed-mean curve needs to reach ``base``'s mean final loss on the same seeds (the speedup is the budget
     over them). An interim report has seeds one side has not finished; a diverged seed counts (its nan
     leaves the seed-mean speedup unreached)."""
-    seeds = {r["seed"]: r["val_loss"] for r in base.get("runs", [])}
-    status = {r["seed"]: r.get("status") for r in base.get("runs", [])}
+    theirs = {r["seed"]: r for r in base.get("runs", [])}
     mine = {r["seed"]: r for r in t.get("runs", [])}
+    seeds = {s: r["val_loss"] for s, r in theirs.items()}
     gap = P.paired_gap({s: r["val_loss"] for s, r in mine.items()}, seeds)
     gap["ci"] = t_interval([mine[s]["val_loss"] - seeds[s] for s in gap["seeds"]])["half"]
-    done = [s for s, r in mine.items() if s in seeds and r.get("status") not in _UNFINISHED
-            and status[s] not in _UNFINISHED]
+    done = [s for s, r in mine.items() if s in theirs and r.get("status") not in _UNFINISHED
+            and theirs[s].get("status") not in _UNFINISHED]
     target = sum(seeds[s] for s in done) / len(done) if done else None
     curve = mean_curve([mine[s] for s in done])
     reach = tokens_to_reach(curve, target) if P.finite(target) and curve else None
@@ -660,8 +665,7 @@ def analyse(out: dict[str, Any], gate_nats: float) -> None:
     frozen = fr["runs"][0]["val_loss"] if fr.get("runs") else None
     margin = frozen - trained if P.finite(frozen) and P.finite(trained) else None
     out["gates"] = {
-        # A one-lr "grid" has no edge to fail, and no tuning to pass either: it is not judged.
-        "a": {c: None if t.get("best_lr") is None or _unfinished(t) or len(t.get("lrs") or []) < 2
+        "a": {c: None if t.get("best_lr") is None or _unfinished(t) or not _tuned(t)
               else not t.get("edge") for c, t in C.items()},
         "b": {"trained": trained, "frozen": frozen, "margin": margin, "need": gate_nats,
               "ran": bool(fr.get("runs")) and fr["runs"][0].get("status") != "missing",
@@ -698,7 +702,7 @@ def _default_bars(out: dict[str, Any]) -> None:
         bars = {"paper": bar_verdict(vs_paper, 0.0), "adamw": bar_verdict(t.get("gap") or {}, DEFAULT_MARGIN)}
         stays = None if None in bars.values() else all(v in ("met", "shown") for v in bars.values())
         # an lr still on its grid's edge may be the loser's lr, not its update: no verdict on it
-        edge = [x for x in (c, paper) if C[x].get("edge") and len(C[x].get("lrs") or []) > 1]
+        edge = [x for x in (c, paper) if C[x].get("edge") and _tuned(C[x])]
         t["default"] = {"paper": paper, "vs_paper": vs_paper, "bars": bars, "stays": None if edge else stays,
                         "edge": edge}
 
