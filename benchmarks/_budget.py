@@ -110,8 +110,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "without a new call (default 0: the grid as given)")
     g.add_argument("--prior-best", action="append", default=[], metavar="SPEC=LR[,WD]",
                    help="an earlier tuning's best (lr, weight decay) for SPEC, whose runs were lost: its reporting "
-                        "runs start first, ahead of the tuning that re-decides it, so a study started over gets its "
-                        "seeds first. The report uses the tuning's best when the tuning is complete and says "
+                        "runs start first, and the tuning that re-decides it runs last, after every other run, so a study "
+                        "started over spends its time on new evidence first. The report uses the tuning's best when the tuning is complete and says "
                         "whether it agrees; until then it reports at the prior best and says so. Needs --beta2 and "
                         "one --beta2s value")
     g.add_argument("--beta2", type=float,
@@ -277,9 +277,10 @@ class Budget:
     """The three stages on one shared pool of ``jobs`` processes. Waiting runs start in order of
     :attr:`PRIOR` (reporting runs at a ``--prior-best``, by seed), :attr:`TUNE`, then reporting runs by seed
     (each seed's runs of every contender before the next seed's, so that an interim report has paired
-    seeds), then the data-to-match runs by seed."""
+    seeds), then the data-to-match runs by seed, then :attr:`RETUNE`: the tuning runs that re-decide a
+    ``--prior-best``, whose figures an earlier tuning already measured."""
 
-    PRIOR, TUNE, REPORT, MATCH = -1, 0, 1, 2
+    PRIOR, TUNE, REPORT, MATCH, RETUNE = -1, 0, 1, 2, 3
 
     def __init__(self, args, base: dict[str, Any], windows: int, start: float):
         self.args = args
@@ -306,19 +307,21 @@ class Budget:
     def spec(self, label: str, lr: float) -> str:
         return P.run_spec(label, "fair", lr=lr, regular_lr=self.R)
 
-    def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int]) -> dict:
+    def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
+                    rank: int = TUNE) -> dict:
         jobs = {(b2, lr, s): P.Job(self.T, self.spec(with_beta2(label, b2), lr), lr, s)
                 for b2 in beta2s for lr in lrs for s in seeds}
-        return {k: self.tuner.submit(j, priority=(self.TUNE,)) for k, j in jobs.items()}
+        return {k: self.tuner.submit(j, priority=(rank,)) for k, j in jobs.items()}
 
-    def tune_weight_decay(self, label: str, t: dict[str, Any], wds: list[float], seeds: list[int]) -> dict:
+    def tune_weight_decay(self, label: str, t: dict[str, Any], wds: list[float], seeds: list[int],
+                          rank: int = TUNE) -> dict:
         """The weight-decay coordinate at ``t``'s best (lr, beta2): ``wds[0]`` is the lr grid's own value,
         each other value one run per tuning seed. Returns the grid and the best value (ties: the grid's)."""
         lr, b2 = t["best_lr"], t["best_beta2"]
         grid: dict[str, float | None] = {P.fmt_lr(wds[0]): t["best_tune_loss"]}
         status: dict[str, list[str]] = {}
         futs = {(wd, s): self.tuner.submit(P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd),
-                                                                   lr), lr, s), priority=(self.TUNE,))
+                                                                   lr), lr, s), priority=(rank,))
                 for wd in wds[1:] for s in seeds}
         for wd in wds[1:]:
             res = [futs[(wd, s)].result() for s in seeds]
@@ -329,16 +332,16 @@ class Budget:
         return {"wd_grid": grid, "wd_status": status, "best_wd": best}
 
     def tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
-             futs: dict | None = None) -> dict[str, Any]:
+             futs: dict | None = None, rank: int = TUNE) -> dict[str, Any]:
         """The lr x beta2 grid on the tuning seeds, extended beyond an edge that wins (``--extend-edges``)."""
-        futs = dict(futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds))
+        futs = dict(futs if futs is not None else self.submit_tune(label, lrs, beta2s, seeds, rank))
         lrs, extended = sorted(lrs), 0
         while True:
             t = self._tuned(label, lrs, beta2s, seeds, {k: f.result() for k, f in futs.items()})
             if not t["edge"] or extended == self.args.extend_edges:
                 return {**t, "extended": extended}
             new = beyond_edge(lrs, t["best_lr"])
-            futs.update(self.submit_tune(label, [new], beta2s, seeds))
+            futs.update(self.submit_tune(label, [new], beta2s, seeds, rank))
             lrs, extended = sorted(lrs + [new]), extended + 1
 
     @staticmethod
@@ -536,32 +539,37 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
         for s in report_seeds if priors and not args.tune_only else []:
             for c, (lr, wd, b2) in priors.items():
                 b.submit_report(c, lr, b2, [s], wd_spec(wd), rank=b.PRIOR)
+
+        def rank(label: str) -> int:
+            return b.RETUNE if label in priors else b.TUNE
         # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
         given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
         others = [c for c in grids if c != P.BASELINE and c not in given]
         if args.beta2 is None:  # every other contender waits for AdamW's best beta2
-            base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds)
+            base_t: dict[str, Any] | None = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds,
+                                                   rank=rank(P.BASELINE))
             beta2 = base_t["best_beta2"] if base_t["best_beta2"] is not None else beta2s[0]
             pending: dict[str, dict] = {}
         else:  # beta2 fixed for the others: interleave, so each contender meets AdamW early
             beta2 = args.beta2
             first = [beta2] if beta2 in beta2s else []
-            futs = b.submit_tune(P.BASELINE, grids[P.BASELINE], first, tune_seeds)
-            pending = {c: b.submit_tune(c, grids[c], [beta2], tune_seeds) for c in others[:1]}
+            futs = b.submit_tune(P.BASELINE, grids[P.BASELINE], first, tune_seeds, rank(P.BASELINE))
+            pending = {c: b.submit_tune(c, grids[c], [beta2], tune_seeds, rank(c)) for c in others[:1]}
             futs.update(b.submit_tune(P.BASELINE, grids[P.BASELINE], [x for x in beta2s if x not in first],
-                                      tune_seeds))
-            pending.update({c: b.submit_tune(c, grids[c], [beta2], tune_seeds) for c in others[1:]})
-            base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds, futs)
+                                      tune_seeds, rank(P.BASELINE)))
+            pending.update({c: b.submit_tune(c, grids[c], [beta2], tune_seeds, rank(c)) for c in others[1:]})
+            pending[P.BASELINE], base_t = futs, None  # decided in its own thread: nothing else waits for it
         out["beta2"] = beta2
-        out["adamw_best_beta2"] = base_t["best_beta2"]
 
         def tuned(label: str) -> dict[str, Any]:
             if label in given:
                 return {**b.given(label, grids[label][0], beta2), "best_wd": wds[0]}
-            t = base_t if label == P.BASELINE else b.tune(label, grids[label], [beta2], tune_seeds,
-                                                          pending.get(label))
+            if label == P.BASELINE:
+                t = base_t or b.tune(label, grids[label], beta2s, tune_seeds, pending[label], rank(label))
+            else:
+                t = b.tune(label, grids[label], [beta2], tune_seeds, pending.get(label), rank(label))
             if t["best_lr"] is not None and len(wds) > 1:
-                t = {**t, **b.tune_weight_decay(label, t, wds, tune_seeds)}
+                t = {**t, **b.tune_weight_decay(label, t, wds, tune_seeds, rank(label))}
             else:
                 t = {**t, "best_wd": wds[0]}
             if label not in priors:
@@ -580,10 +588,18 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             b2 = t["best_beta2"] if label == P.BASELINE else beta2
             return {**t, **b.report(label, t["best_lr"], b2, report_seeds, wd_spec(t["best_wd"]))}
 
-        with ThreadPoolExecutor(max_workers=2 * len(grids) + 1) as pool:
+        with ThreadPoolExecutor(max_workers=2 * len(grids) + 1 + len(b.matchers)) as pool:
             tunes = {c: pool.submit(tuned, c) for c in grids}
 
+            def at_prior(seeds: list[int], lr: float | None = None, runner: P.Runner | None = None) -> None:
+                """Queue AdamW's runs at its prior best, not waiting for its tuning (last in the queue): the
+                same runs at the tuning's best, if it agrees, are these; if not, they are wasted."""
+                if P.BASELINE in priors:
+                    plr, wd, b2 = priors[P.BASELINE]
+                    b.submit_report(P.BASELINE, lr or plr, b2, seeds, wd_spec(wd), runner)
+
             def frozen_run() -> dict[str, Any]:  # at AdamW's own (beta2, wd), so that gate (b) pairs like with like
+                at_prior(gate_seeds, FROZEN_LR)
                 bt = tunes[P.BASELINE].result()
                 return b.report(P.BASELINE, FROZEN_LR, bt["best_beta2"] or beta2, gate_seeds,
                                 wd_spec(bt["best_wd"]))
@@ -592,6 +608,7 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             futs = {c: pool.submit(lambda c=c: contender(c, tunes[c].result())) for c in grids}
 
             def match_run(f: float, runner: P.Runner) -> dict[str, Any]:  # AdamW at its best, another budget
+                at_prior(match_seeds, runner=runner)
                 bt = tunes[P.BASELINE].result()
                 if bt["best_lr"] is None:
                     return {"fraction": f, "runs": [], "mean": None}
@@ -602,6 +619,7 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             matches = [pool.submit(match_run, f, r) for f, r in b.matchers.items()] if not args.tune_only else []
             for c, f in futs.items():
                 out["contenders"][c] = f.result()
+            out["adamw_best_beta2"] = tunes[P.BASELINE].result()["best_beta2"]
             out["frozen"] = frozen.result() if frozen else {}
             out["match"] = {"seeds": match_seeds, "budgets": [m.result() for m in matches]}
     finally:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CPU budget study of docs/results/budget-cpu.md, stages 2-4 in one queue (stage 1, the lr grid alone,
-# is stage 2's first part). Each stage is one `quality.py --budget --resume` call on the same folder, so a
-# queue stopped anywhere (a signal saves every run in flight) and started again goes on where it stopped.
+# The CPU budget study of docs/results/budget-cpu.md in one queue. Each stage is one `quality.py --budget
+# --resume` call on the same folder, so a queue stopped anywhere (a signal saves every run in flight) and
+# started again goes on where it stopped.
 #
 #   bash benchmarks/budget_cpu.sh OUT [COMMIT]
 #
@@ -47,27 +47,20 @@ run() {  # one stage; a signal to this script stops the stage (its runs save) an
 }
 GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-3)
 
-# stage 2: AdamW and GWT-AdamW l=2, the lr at the full horizon, then weight decay 0.1 at the best lr, then
-# reporting seeds 1-4 at each best (lr, wd). The tuning of 2026-12-03 (whose runs were lost with the machine,
-# figures in docs/results/budget-cpu.md) found AdamW 2e-3 at weight decay 0 and GWT-AdamW 6e-3 at 0.1: their
-# seeds start first (--prior-best) and the tuning, run again, re-decides them.
-PRIOR=(--prior-best adamw=2e-3 --prior-best gwt-adamw:level=2=6e-3,0.1)
-run --contenders adamw,gwt-adamw:level=2 "${GRIDS[@]}" --weight-decays 0,0.1 "${PRIOR[@]}"
-
-# stage 3: Muon and GWT-Muon at their 1,000-step lrs on reporting seeds 1-3 (one-lr grids: no tuning run,
-# unless they get the weight-decay axis); the paper's update tuned at the full horizon on its 1,000-step
-# best and its factor-2 neighbours first (3 runs, about 1.5 h), because the default (detail_clip=0.5) is
-# judged against it and both AdamW's and GWT-AdamW's best lr doubled at the full horizon; each tries weight
-# decay 0.1 only if it helped AdamW or GWT-AdamW (their family's evidence); stage 4 (AdamW at 0.75x of the
-# budget on seeds 1-2, the data-to-match ratio) in the same call. Stage 5 gives those three a fourth seed.
-WDS=$("$PY" - "$OUT/budget.json" <<'EOF'
-import json, sys
-C = json.load(open(sys.argv[1]))["budget"]["contenders"]
-print("0,0.1" if any(C.get(c, {}).get("best_wd") == 0.1 for c in ("adamw", "gwt-adamw:level=2")) else "0")
-EOF
-) || exit 2
+# One call for every contender (it was stage 2, then stage 3, until the first machine's runs were lost):
+# - AdamW and GWT-AdamW l=2: the lr at the full horizon, then weight decay 0.1 at the best lr, reporting
+#   seeds 1-4 at each best (lr, wd). The tuning of 2026-12-03 (runs lost with the machine, figures in
+#   docs/results/budget-cpu.md) found AdamW 2e-3 at weight decay 0 and GWT-AdamW 6e-3 at 0.1: their seeds
+#   run first (--prior-best), and the tuning that re-decides them runs last, because it repeats figures
+#   already measured (a run is deterministic given its seed and code).
+# - Muon and GWT-Muon at their 1,000-step lrs (no device to tune them at the full horizon); the paper's update
+#   (detail_clip=none) tuned at the full horizon on its 1,000-step best and its factor-2 neighbours, because
+#   the default is judged against it and both AdamW's and GWT-AdamW's best lr doubled at the full horizon.
+#   Reporting seeds 1-4 (each seed's runs of every contender before the next seed's). Each tries weight
+#   decay 0.1 at its best lr, because it helped GWT-AdamW (the rule: give their family's evidence the axis
+#   if 0.1 helped AdamW or GWT-AdamW).
+# - AdamW at 0.75x of the budget on seeds 1-2 (the data-to-match ratio), at AdamW's prior best.
 ALL=(--contenders adamw,gwt-adamw:level=2,muon,gwt-muon:level=2,gwt-adamw:level=2:detail_clip=none "${GRIDS[@]}"
   --grid muon=3e-3 --grid gwt-muon:level=2=1e-2 --grid gwt-adamw:level=2:detail_clip=none=5e-4,1e-3,2e-3
-  --weight-decays "$WDS" --match-budgets 0.75)
-run "${ALL[@]}" --report-seeds 1,2,3
-run "${ALL[@]}"  # stage 5: seed 4 for them too (AdamW and GWT-AdamW have theirs from stage 2)
+  --weight-decays 0,0.1 --match-budgets 0.75 --prior-best adamw=2e-3 --prior-best gwt-adamw:level=2=6e-3,0.1)
+run "${ALL[@]}"

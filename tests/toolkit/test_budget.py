@@ -427,10 +427,11 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
     assert started == [("tune", 0)] + [("report", s) for s in (1, 1, 2, 2, 3, 3, 4, 4)] + [("match", 1), ("match", 2)]
 
 
-def _study(tmp_path, priors, *, tuning_finished=True):
-    """Stages 1-3 of a small study (AdamW and GWT-AdamW, lrs 1e-3/2e-3/4e-3, weight decays 0 and 0.1,
-    reporting seeds 1-2, no frozen run) on one held worker, with ``--prior-best`` ``priors``: (the report,
-    the runs in the order they started, and in the order they were submitted). A run's loss is least at lr 2e-3 and weight decay 0."""
+def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
+    """Stages 1-3 of a small study (AdamW, GWT-AdamW and the contenders ``more``, lrs 1e-3/2e-3/4e-3, weight
+    decays 0 and 0.1, reporting seeds 1-2, frozen runs on ``gate_seeds``) on one held worker, with
+    ``--prior-best`` ``priors``: (the report, the runs in the order they started, and in the order they were
+    submitted). A run's loss is least at lr 2e-3 and weight decay 0."""
     import math
     import threading
     from types import SimpleNamespace
@@ -466,13 +467,15 @@ def _study(tmp_path, priors, *, tuning_finished=True):
     b = object.__new__(B.Budget)
     b.T, b.R, b.tuner, b.reporter, b.matchers = 128, 3e-3, Stage("tune"), Stage("report"), {}
     b.args = args = SimpleNamespace(beta2=0.999, tune_only=False, extend_edges=0, prior_best=priors)
-    grids = {"adamw": [1e-3, 2e-3, 4e-3], "gwt-adamw:level=2": [1e-3, 2e-3, 4e-3]}
+    grids = {c: [1e-3, 2e-3, 4e-3] for c in ("adamw", "gwt-adamw:level=2", *more)}
     out = {"contenders": {}}
-    study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], [0.0, 0.1], [0], [1, 2], [], []))
+    study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], [0.0, 0.1], [0], [1, 2],
+                                                     list(gate_seeds), []))
     study.start()
     from _waiting import wait_for
-    # the prior's reporting runs and AdamW's lr grid (the others wait for AdamW's beta2)
-    wait_for(lambda: sum(k[0] == "tune" for k in futs) >= 3, "the first runs queued")
+    # the prior's reporting runs, every lr grid and the frozen runs, before the first run starts
+    wait_for(lambda: sum(k[0] == "tune" for k in futs) >= 3 * len(grids)
+             and sum(k[2] == B.FROZEN_LR for k in futs) == len(gate_seeds), "the first runs queued")
     gate.set()
     study.join(60)
     assert not study.is_alive() and held.result()
@@ -515,6 +518,26 @@ def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_i
     text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
                                         "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
     assert "(lr 0.004, weight decay 0.1, `--prior-best`): the tuning here has not finished" in text
+
+
+def test_a_prior_best_is_re_tuned_last_and_adamws_frozen_run_goes_ahead_at_it(tmp_path):
+    """The tuning that re-decides a --prior-best repeats figures an earlier tuning measured: a contender without
+    a prior tunes and reports first, and gate (b)'s frozen run, which pairs with AdamW's best, runs at AdamW's
+    prior best instead of waiting for AdamW's re-tuning (agreeing, it is the same run)."""
+    out, started, _ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], more=["muon"], gate_seeds=[1])
+    prior = [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1), ("report", "adamw", 2e-3, 2),
+             ("report", "gwt-adamw", 4e-3, 2)]
+    name = [(stage, spec.split(":")[0], lr, seed) for stage, spec, lr, seed in started]
+    assert name[:4] == prior
+    assert name[4:7] == [("tune", "muon", lr, 0) for lr in (1e-3, 2e-3, 4e-3)]
+    retune = [i for i, (stage, n, *_) in enumerate(name) if stage == "tune" and n != "muon"]
+    muon = [i for i, (_, n, *_) in enumerate(name) if n == "muon"]
+    assert len(retune) == 8 and len(muon) == 6 and max(muon) < min(retune)  # 3 lrs and 1 weight decay each
+    assert name.count(("report", "adamw", B.FROZEN_LR, 1)) == 1 < name.index(("report", "adamw", B.FROZEN_LR, 1)) \
+        < min(retune) and out["frozen"]["runs"][0]["val_loss"] > 2.5
+    C = out["contenders"]
+    assert C["adamw"]["prior"]["agrees"] and not C["gwt-adamw:level=2"]["prior"]["agrees"]
+    assert [r["val_loss"] for r in C["muon"]["runs"]] == [2.5, 2.5] and C["muon"]["best_wd"] == 0.0
 
 
 _SETTING = {"model": "m", "data": "d", "vocab_size": 1, "seq_len": 1, "warmup": 0, "min_lr_ratio": 0.1,
