@@ -50,7 +50,7 @@ SIZE_FLAGS = {
     "--lrs", "--tune-seeds", "--eval-seeds", "--report-seeds", "--tokens-per-step", "--config", "--rounds",
     "--warmup", "--threads", "--max-steps", "--max-length", "--max-train-samples", "--max-eval-samples",
     # quality.py --budget: the budget, the tuning runs' length, the validations and the size of each grid
-    "--budget", "--tune-steps", "--vocab-size", "--evals", "--grid", "--beta2s",
+    "--budget", "--tune-steps", "--vocab-size", "--evals", "--grid", "--beta2s", "--weight-decays",
 }
 OUTPUT_FLAGS = {"--out", "--json", "--plot"}
 # May be added, not changed: how a command spreads its runs over processes. `finetune --isolate no`
@@ -122,9 +122,11 @@ COMMANDS: dict[str, str] = {
         "slow: python benchmarks/quality.py --optimizers adamw,adamw:scale=0.25,gwt-adamw:level=2:scale=0.25,"
         "galore:rank=32:scale=0.25 --lrs 1e-2 --tune-seeds 0 --eval-seeds 1 --jobs 2 --threads 1 "
         "--out {runs}/quality --steps 1 --tokens-per-step 512",
-    "python benchmarks/quality.py --budget 16M --tune-steps 1000 --data pysrc --jobs 2 --threads 1 "
-    "--resume --out runs/budget":  # the 50M-token corpus is replaced by the small one, each grid by one lr
-        "slow: python benchmarks/quality.py --budget 512 --tune-steps 2 --data {texts} --jobs 2 "
+    "python benchmarks/quality.py --budget 16M --data pysrc --weight-decays 0,0.1 --report-seeds 1,2,3,4 "
+    "--extend-edges 2 --jobs 2 --threads 1 --resume --out runs/budget":
+        # the 50M-token corpus is replaced by the small one, each grid by one lr (so no edge to extend)
+        "slow: python benchmarks/quality.py --budget 512 --tune-steps 2 --data {texts} --weight-decays 0 "
+        "--extend-edges 2 --jobs 2 "
         "--threads 1 --resume --out {runs}/budget --model {tiny_llama} --vocab-size 320 --seq-len 32 "
         "--tokens-per-step 128 --val-tokens 256 --evals 2 --beta2s 0.95 --report-seeds 1 --plot {tmp}/lvt.png "
         "--grid adamw=3e-3 --grid gwt-adamw:level=2=3e-3 --grid gwt-adamw:level=2:detail_clip=none=3e-3 "
