@@ -110,10 +110,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "without a new call (default 0: the grid as given)")
     g.add_argument("--prior-best", action="append", default=[], metavar="SPEC=LR[,WD]",
                    help="an earlier tuning's best (lr, weight decay) for SPEC, whose runs were lost: its reporting "
-                        "runs start first, and the tuning that re-decides it runs last, after every other run, so a study "
-                        "started over spends its time on new evidence first. The report uses the tuning's best when the tuning is complete and says "
-                        "whether it agrees; until then it reports at the prior best and says so. Needs --beta2 and "
-                        "one --beta2s value")
+                        "runs start first, and the tuning that re-decides it runs last, after every other run, so "
+                        "a study started over spends its time on new evidence first. The report uses the tuning's "
+                        "best when the tuning is complete and says whether it agrees; until then it reports at the "
+                        "prior best and says so. Needs --beta2 and one --beta2s value")
     g.add_argument("--beta2", type=float,
                    help="beta2 of every contender but AdamW, fixed now (default: AdamW's best, so they wait for it)")
     g.add_argument("--tune-steps", type=int, help="steps of a tuning run (default: the budget's)")
