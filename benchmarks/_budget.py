@@ -773,6 +773,13 @@ def _speedup_cell(sp: dict[str, Any] | None) -> str:
     return f"{sp['mean']:.2f}×"
 
 
+def _wd_phrase(base: float, wds: list[float] | None) -> str:
+    """The header's weight decay: one value, or the axis it was tuned on (a run's own is in its row)."""
+    if not wds or len(wds) < 2:
+        return f"weight decay {base:g}"
+    return f"weight decay {base:g} on the lr grid, then tuned on {', '.join(f'{w:g}' for w in wds)} at the best lr"
+
+
 def render(report: dict[str, Any]) -> str:
     s, B = report["setting"], report["budget"]
     C = B["contenders"]
@@ -783,8 +790,8 @@ def render(report: dict[str, Any]) -> str:
              f"{s['vocab_size']}-token BPE, sequences of {s['seq_len']}), {B['tokens_per_step']:,} tokens per "
              f"step; budget **{B['budget_tokens']:,} tokens ({B['steps']} steps)**, tuning runs "
              f"{B['tune_steps']} steps. {s['warmup']} warm-up then cosine to {s['min_lr_ratio']}, gradient clip "
-             f"{s['grad_clip']}, weight decay {s['weight_decay']}, precision {s['precision']}, device "
-             f"{s['device']}. Matrix-only fairness: embeddings, head, norms and biases on AdamW at lr "
+             f"{s['grad_clip']}, {_wd_phrase(s['weight_decay'], B.get('weight_decays'))}, precision "
+             f"{s['precision']}, device {s['device']}. Matrix-only fairness: embeddings, head, norms and biases on AdamW at lr "
              f"{B['regular_lr']:g} for everyone; the attention and MLP matrices at each contender's matrix lr "
              f"(alpha 1). AdamW's beta2 tuned on {report['beta2s']} (best: {B.get('adamw_best_beta2')}); every "
              f"other contender runs at beta2 = {B.get('beta2')}"

@@ -32,7 +32,7 @@ cd "$ROOT"
 RECORDS=docs/results/budget-cpu/records
 [ -d "$RECORDS" ] && { "$PY" benchmarks/run_records.py load "$RECORDS" "$OUT" || exit 2; }
 stopped=0
-run() {  # one stage; a signal to this script stops the stage (its runs save) and the queue
+run() {  # one quality.py call; a signal to this script stops it (its runs save) and the queue
   nice -n 19 "$PY" benchmarks/quality.py --budget 16M --beta2s 0.999 --beta2 0.999 --report-seeds 1,2,3,4 \
     --extend-edges 2 --jobs 2 --threads 1 --resume --out "$OUT" --plot '' ${COMMIT:+--commit "$COMMIT"} "$@" ${EXTRA:-} &
   local pid=$! rc

@@ -516,8 +516,10 @@ def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_i
     assert out["gates"]["a"] == {"adamw": None, "gwt-adamw:level=2": None}  # not tuned yet: no verdict
     out.update(setting=_SETTING, train_tokens=1, beta2s=[0.999], jobs=1, threads=1, command="c", environment={})
     text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
-                                        "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
+                                        "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2],
+                                        "weight_decays": [0.0, 0.1]}})
     assert "(lr 0.004, weight decay 0.1, `--prior-best`): the tuning here has not finished" in text
+    assert "weight decay 0 on the lr grid, then tuned on 0, 0.1 at the best lr," in text  # not "weight decay 0"
 
 
 def test_a_prior_best_is_re_tuned_last_and_adamws_frozen_run_goes_ahead_at_it(tmp_path):
