@@ -110,8 +110,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "without a new call (default 0: the grid as given)")
     g.add_argument("--prior-best", action="append", default=[], metavar="SPEC=LR[,WD]",
                    help="an earlier tuning's best (lr, weight decay) for SPEC, whose runs were lost: its reporting "
-                        "runs start first, and the tuning that re-decides it runs last, after every other run, so "
-                        "a study started over spends its time on new evidence first. The report uses the tuning's "
+                        "runs start first, and the tuning that re-decides it runs after the first three reporting "
+                        "seeds of every contender (before the match runs and further seeds), so a study started over spends its time on new evidence first. The report uses the tuning's "
                         "best when the tuning is complete and says whether it agrees; until then it reports at the "
                         "prior best and says so. Needs --beta2 and one --beta2s value")
     g.add_argument("--beta2", type=float,
@@ -276,11 +276,15 @@ def paired_delta_curve(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[
 class Budget:
     """The three stages on one shared pool of ``jobs`` processes. Waiting runs start in order of
     :attr:`PRIOR` (reporting runs at a ``--prior-best``, by seed), :attr:`TUNE`, then reporting runs by seed
-    (each seed's runs of every contender before the next seed's, so that an interim report has paired
-    seeds), then the data-to-match runs by seed, then :attr:`RETUNE`: the tuning runs that re-decide a
-    ``--prior-best``, whose figures an earlier tuning already measured."""
+    up to :attr:`INTERVAL_SEEDS` (each seed's runs of every contender before the next seed's, so that an
+    interim report has paired seeds), then :attr:`RETUNE`: the tuning runs that re-decide a ``--prior-best``,
+    whose figures an earlier tuning already measured, then the data-to-match runs by seed, then the
+    reporting seeds beyond :attr:`INTERVAL_SEEDS`. A queue that spans sessions so finishes the evidence a
+    claim needs (every contender tuned, with an interval) before it narrows an interval further."""
 
-    PRIOR, TUNE, REPORT, MATCH, RETUNE = -1, 0, 1, 2, 3
+    PRIOR, TUNE, REPORT, RETUNE, MATCH, LATE = -1, 0, 1, 2, 3, 4
+    # the fewest seeds that give a t-interval worth reporting: at n = 2 (one degree of freedom) t is 12.7
+    INTERVAL_SEEDS = 3
 
     def __init__(self, args, base: dict[str, Any], windows: int, start: float):
         self.args = args
@@ -369,10 +373,15 @@ class Budget:
     def submit_report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
                       runner: P.Runner | None = None, rank: int | None = None) -> tuple[dict, dict]:
         """Queue the runs of :meth:`report` (a run already queued keeps its place): (jobs, futures) by seed."""
-        rank = rank if rank is not None else self.REPORT if runner is None else self.MATCH
-        runner = runner or self.reporter
+        early = P.ints(self.args.report_seeds)[:self.INTERVAL_SEEDS]
+
+        def priority(s: int) -> tuple[int, int]:
+            if rank is not None:
+                return rank, s
+            return (self.MATCH if runner is not None else self.REPORT if s in early else self.LATE), s
         jobs = {s: P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, beta2), wd), lr), lr, s) for s in seeds}
-        return jobs, {s: runner.submit(j, priority=(rank, s)) for s, j in jobs.items()}
+        stage = runner or self.reporter
+        return jobs, {s: stage.submit(j, priority=priority(s)) for s, j in jobs.items()}
 
     def report(self, label: str, lr: float, beta2: float, seeds: list[int], wd: float | None = None,
                runner: P.Runner | None = None) -> dict[str, Any]:

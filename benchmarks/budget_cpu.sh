@@ -51,12 +51,13 @@ GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-
 # - AdamW and GWT-AdamW l=2: the lr at the full horizon, then weight decay 0.1 at the best lr, reporting
 #   seeds 1-4 at each best (lr, wd). The tuning of 2026-12-03 (runs lost with the machine, figures in
 #   docs/results/budget-cpu.md) found AdamW 2e-3 at weight decay 0 and GWT-AdamW 6e-3 at 0.1: their seeds
-#   run first (--prior-best), and the tuning that re-decides them runs last, because it repeats figures
-#   already measured (a run is deterministic given its seed and code).
+#   run first (--prior-best), and the tuning that re-decides them runs after every contender's first three
+#   seeds, because it repeats figures already measured (a run is deterministic given its seed and code).
 # - Muon and GWT-Muon at their 1,000-step lrs (no device to tune them at the full horizon); the paper's update
 #   (detail_clip=none) tuned at the full horizon on its 1,000-step best and its factor-2 neighbours, because
 #   the default is judged against it and both AdamW's and GWT-AdamW's best lr doubled at the full horizon.
-#   Reporting seeds 1-4 (each seed's runs of every contender before the next seed's). Each tries weight
+#   Reporting seeds 1-4 (each seed's runs of every contender before the next seed's; seed 4, beyond the
+#   three an interval needs, after AdamW's and GWT-AdamW's re-tuning and the 0.75x runs). Each tries weight
 #   decay 0.1 at its best lr, because it helped GWT-AdamW (the rule: give their family's evidence the axis
 #   if 0.1 helped AdamW or GWT-AdamW).
 # - AdamW at 0.75x of the budget on seeds 1-2 (the data-to-match ratio), at AdamW's prior best.

@@ -389,8 +389,9 @@ def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
 
 def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(tmp_path):
     """One worker, held while a study queues: AdamW's and GWT-AdamW's reporting seeds, AdamW's data-to-match
-    seeds, then a tuning run. The tuning run goes first, then each seed's runs of both contenders before the
-    next seed's (an interim report is paired), the match runs last."""
+    seeds, then a tuning run and a re-tuning run (of a ``--prior-best``). The tuning run goes first, then each
+    seed's runs of both contenders before the next seed's (an interim report is paired) up to the three an
+    interval needs, the re-tuning, the match runs, and last the fourth seed."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -415,16 +416,19 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
 
     b = object.__new__(B.Budget)
     b.T, b.R, b.tuner, b.reporter, match = 128, 3e-3, Stage("tune"), Stage("report"), Stage("match")
+    b.args = SimpleNamespace(report_seeds="1,2,3,4")
     with ThreadPoolExecutor(3) as stages:  # each waits for its own runs, as _stages's threads do
         calls = [stages.submit(b.report, "adamw", 2e-3, 0.999, [1, 2, 3, 4]),
                  stages.submit(b.report, "gwt-adamw:level=2", 6e-3, 0.999, [1, 2, 3, 4]),
                  stages.submit(b.report, "adamw", 2e-3, 0.999, [1, 2], runner=match)]
         wait_for(lambda: len(queued) == 10, "the reporting and match runs queued")
+        b.submit_tune("adamw", [2e-3], [0.999], [0], rank=B.Budget.RETUNE)
         b.submit_tune("gwt-adamw:level=2", [6e-3], [0.999], [0])
         gate.set()
         assert [c.result()["n"] for c in calls] == [4, 4, 2] and held.result()
     pool.shutdown()
-    assert started == [("tune", 0)] + [("report", s) for s in (1, 1, 2, 2, 3, 3, 4, 4)] + [("match", 1), ("match", 2)]
+    assert started == ([("tune", 0)] + [("report", s) for s in (1, 1, 2, 2, 3, 3)] + [("tune", 0)]
+                       + [("match", 1), ("match", 2), ("report", 4), ("report", 4)])
 
 
 def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
@@ -466,7 +470,8 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
 
     b = object.__new__(B.Budget)
     b.T, b.R, b.tuner, b.reporter, b.matchers = 128, 3e-3, Stage("tune"), Stage("report"), {}
-    b.args = args = SimpleNamespace(beta2=0.999, tune_only=False, extend_edges=0, prior_best=priors)
+    b.args = args = SimpleNamespace(beta2=0.999, tune_only=False, extend_edges=0, prior_best=priors,
+                                    report_seeds="1,2")
     grids = {c: [1e-3, 2e-3, 4e-3] for c in ("adamw", "gwt-adamw:level=2", *more)}
     out = {"contenders": {}}
     study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], [0.0, 0.1], [0], [1, 2],
