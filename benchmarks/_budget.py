@@ -111,7 +111,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--prior-best", action="append", default=[], metavar="SPEC=LR[,WD]",
                    help="an earlier tuning's best (lr, weight decay) for SPEC, whose runs were lost: its reporting "
                         "runs start first, and the tuning that re-decides it runs after the first three reporting "
-                        "seeds of every contender (before the match runs and further seeds), so a study started over spends its time on new evidence first. The report uses the tuning's "
+                        "seeds of every contender (before the match runs and further seeds), so a study started "
+                        "over spends its time on new evidence first. The report uses the tuning's "
                         "best when the tuning is complete and says whether it agrees; until then it reports at the "
                         "prior best and says so. Needs --beta2 and one --beta2s value")
     g.add_argument("--beta2", type=float,
