@@ -309,6 +309,12 @@ class Budget:
         self.matchers = {f: runner("match", max(1, round(f * self.steps)), pool=self.tuner.pool)
                          for f in match_fractions_of(args.match_budgets)}
 
+    @property
+    def runners(self) -> list[P.Runner]:
+        """Every stage's runner: a signal aborts them all, or a stage left out starts its queued runs on the
+        slots the others free."""
+        return [self.tuner, self.reporter, *self.matchers.values()]
+
     def spec(self, label: str, lr: float) -> str:
         return P.run_spec(label, "fair", lr=lr, regular_lr=self.R)
 
@@ -487,10 +493,10 @@ def run(args, base: dict[str, Any], windows: int, start: float) -> dict[str, Any
                            "weight_decays": wds,
                            "contenders": {}}
 
-    with abort_on_signals([b.tuner, b.reporter], "stopping the runs in flight (they resume with --resume)"):
+    with abort_on_signals(b.runners, "stopping the runs in flight (they resume with --resume)"):
         _stages(args, b, out, grids, beta2s, wds, tune_seeds, report_seeds, gate_seeds, match_seeds)
     analyse(out, args.gate_nats)
-    out["counts"] = {k: b.tuner.counts[k] + b.reporter.counts[k] for k in b.tuner.counts}
+    out["counts"] = {k: sum(r.counts[k] for r in b.runners) for k in b.tuner.counts}
     return out
 
 

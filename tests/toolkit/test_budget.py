@@ -696,3 +696,24 @@ def test_gate_seeds_and_untuned_contenders_are_not_reported_as_passing():
     assert out["gates"]["a"]["muon"] is None
     assert B._gate_a_word(None, out["contenders"]["muon"]) == "one lr, not tuned here"
     assert B._gate_a_word(None, {"lrs": [3e-3, 1e-2]}) == "not tuned yet" and B._gate_a_word(False, {}) == "**FAIL** (edge)"
+
+
+def test_a_signal_stops_every_stage_so_no_queued_run_starts_after_it(tmp_path):
+    """SIGTERM to a study aborts the data-to-match runner too: before, the match runs queued behind the
+    stopped ones started on the freed slots, and the study went on training after the signal."""
+    import signal
+
+    from gwt_optim.toolkit.runner import abort_on_signals
+
+    args = SimpleNamespace(tokens_per_step=128, budget="512", tune_steps=None, regular_lr=3e-3, evals=2,
+                           save_every=0, out=str(tmp_path), jobs=1, threads=1, resume=True, report_only=False,
+                           deadline=None, grace=5.0, match_budgets="0.5,0.75")
+    b = B.Budget(args, {"seq_len": 32}, windows=64, start=0.0)
+    assert len(b.runners) == 4 and all(r.pool is b.tuner.pool for r in b.runners)
+    with abort_on_signals(b.runners, "stopping"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert all(r.aborted for r in b.runners)
+    job = B.P.Job(128, b.spec("adamw", 2e-3), 2e-3, 1)
+    runner = next(iter(b.matchers.values()))
+    assert runner.submit(job).result()["status"] == "skipped"  # nothing trains after the signal
+    b.tuner.shutdown()
