@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Capabilities", "Choice", "CAPABILITIES", "candidates"]
+__all__ = ["Capabilities", "Choice", "CAPABILITIES", "candidates", "pointer_problems", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
@@ -86,12 +86,13 @@ def _product(weights, grads, moments) -> frozenset:
 
 #: The backends' capabilities; each class's ``capabilities`` is its entry.
 CAPABILITIES: dict[str, Capabilities] = {
-    # torch._fused_adamw_ (level 0 on CPU): one dtype for weights, gradients and moments.
+    # torch._fused_adamw_ (level 0 on CPU): one dtype for weights, gradients and
+    # moments. It walks flat memory, so a strided view or a gradient laid out
+    # unlike its weight would be read and written out of place.
     "fused_adamw": Capabilities(
         devices=frozenset({"cpu"}),
         dtypes=frozenset((d, d, d) for d in (F32, F64, BF16, F16)),
         levels=range(0, 1),
-        contiguous=False,
         detail_clip=True,  # level 0 has no details: the clip changes nothing
         batched=True,
     ),
@@ -142,3 +143,33 @@ def candidates(compile: bool | str | None, device_type: str, level: int) -> list
         return [("triton", False)] if compile in (None, True, "triton") else []
     names = (compile,) if isinstance(compile, str) else _AUTO.get(device_type, ())
     return [(name, i == len(names) - 1) for i, name in enumerate(names)]
+
+
+def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> list[str]:
+    """What is wrong, for a kernel that walks flat memory, with weight ``w``,
+    gradient ``g`` and ``moments`` (shaped like A_l): every tensor dense and
+    contiguous, on one device, the gradient of the weight's shape and the
+    moments of A_l's. Empty when the addresses may be handed over."""
+    problems = []
+    if g.shape != w.shape:
+        problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
+    n = w.shape[-1] if w.ndim else 1
+    moment_shape = (*w.shape[:-1], -(-n // (1 << level)))
+    for name, x in (("parameter", w), ("gradient", g), *moments.items()):
+        if x.device != w.device:
+            problems.append(f"{name} on {x.device}, not {w.device}")
+        if x.layout != torch.strided or not x.is_contiguous():
+            problems.append(f"{name} is not contiguous")
+        if name in moments and tuple(x.shape) != moment_shape:
+            problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
+    return problems
+
+
+def check_pointers(backend: str, w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> None:
+    """Raise ``ValueError`` unless :func:`pointer_problems` finds nothing: the
+    last check before a backend hands raw addresses to C or Triton (routing
+    should never get here with such tensors; a kernel trusts no caller)."""
+    problems = pointer_problems(w, g, moments, level)
+    if problems:
+        raise ValueError(f"GWT-AdamW ({backend}): cannot step a parameter of shape {tuple(w.shape)}: "
+                         + "; ".join(problems))

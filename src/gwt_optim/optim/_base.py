@@ -277,6 +277,10 @@ class GWTOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # torch adds its own optimizers' `differentiable` option to defaults
+        # here; these optimizers have no such option, and the key would then
+        # be copied into every group, so a reloaded state_dict() would differ.
+        self.defaults.pop("differentiable", None)
         # Older checkpoints may lack keys added later; fill with the defaults.
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -288,6 +292,8 @@ class GWTOptimizer(Optimizer):
     def _validate_group(self, g: dict[str, Any]) -> None:
         lr = g.get("lr")
         if isinstance(lr, Tensor):
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
             lr = lr.item()
         if not _is_real(lr) or not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr!r} (must be a number >= 0)")
@@ -411,6 +417,9 @@ class GWTOptimizer(Optimizer):
             )
         state_dict = {
             **state_dict,
+            # torch's older state dicts hold the step as a number; the step reads a tensor.
+            "state": {pid: {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and _is_real(v) else v
+                            for k, v in st.items()} for pid, st in state_dict["state"].items()},
             # A group saved before detail_clip existed ran the paper's update:
             # it keeps doing so rather than taking today's default.
             "param_groups": [{"detail_clip": None, **{k: v for k, v in g.items() if k != "optimizer"}}

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
-from gwt_optim.optim._backends import CAPABILITIES, Capabilities
+from gwt_optim.optim._backends import CAPABILITIES, Capabilities, check_pointers
 from gwt_optim.optim._native import NativeBackend, native_library
 from gwt_optim.optim._toolchain import KernelUnavailable
 
@@ -232,6 +232,9 @@ class FusedAdamWBackend:
                 items = [ps for ps, ok in zip(items, finite) if ok]
                 if not items:
                     continue
+            for ps in items:
+                check_pointers(self.name, ps.param, ps.grad,
+                               {"exp_avg": ps.state["exp_avg"], "exp_avg_sq": ps.state["exp_avg_sq"]}, 0)
             torch._fused_adamw_(
                 [ps.param for ps in items],
                 [ps.grad for ps in items],

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim import _toolchain
-from gwt_optim.optim._backends import CAPABILITIES
+from gwt_optim.optim._backends import CAPABILITIES, check_pointers
 
 __all__ = ["NativeBackend", "native_library"]
 
@@ -104,6 +104,10 @@ _PIPELINE_WORKSPACE_BYTES = 256 << 20
 # An OpenMP region costs a few microseconds; below this many entries per
 # thread, more threads are slower.
 _MIN_ENTRIES_PER_THREAD = 1 << 15
+
+
+def _moments(state: dict) -> dict[str, Tensor]:
+    return {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
 
 
 def _clip(group: dict) -> float:
@@ -241,6 +245,7 @@ class NativeBackend:
             ws_numel = 0
             for task, ps in zip(tasks, group):
                 G, M = ps.grad, ps.state["exp_avg"]
+                check_pointers(self.name, ps.param, G, _moments(ps.state), ps.level)
                 n = G.shape[-1]
                 task.w, task.m, task.v = ps.param.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
                 task.rows, task.n = (G.numel() // n if n else 0), n
@@ -288,7 +293,11 @@ class NativeBackend:
                         clip=_clip(group),
                     )
                 task.hyper = hyper
-                task.g = ps.grad.data_ptr()  # gradients are new tensors on most steps
+                g = ps.grad  # a new tensor on most steps: its layout is checked every time
+                if not (g.is_contiguous() and g.shape == ps.param.shape and g.dtype == ps.param.dtype):
+                    check_pointers(self.name, ps.param, g, {}, ps.level)
+                    raise ValueError(f"GWT-AdamW ({self.name}): a {g.dtype} gradient for a {ps.param.dtype} weight")
+                task.g = g.data_ptr()
                 task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
                 task.first = ps.step == 1
             needed = entry.stride * (2 * threads if entry.pipelined else 1)
@@ -304,6 +313,7 @@ class NativeBackend:
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
         beta1, beta2 = group["betas"]
         M, V = state["exp_avg"], state["exp_avg_sq"]
+        check_pointers(self.name, G, G, _moments(state), level)  # the weight is checked in phase2
         n = G.shape[-1]
         numel = G.numel()
         rows = numel // n if n else 0
@@ -326,6 +336,7 @@ class NativeBackend:
         return norm_sq, carry
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
+        check_pointers(self.name, w, G, {}, level)
         n = G.shape[-1]
         numel = G.numel()
         rows = numel // n if n else 0

@@ -61,7 +61,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from gwt_optim.optim._backends import CAPABILITIES
+from gwt_optim.optim._backends import CAPABILITIES, pointer_problems
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -655,23 +655,12 @@ class TritonBackend:
     def _validate(tensors: list, level: int, limited: bool, device: torch.device, kinds: tuple) -> None:
         """What the kernels assume of every tensor whose address they get;
         ``kinds``: the (W, G, moment) dtypes the launches will read them as."""
-        b = 1 << level
         wdt, gdt, mdt = kinds
         for w, g, st in tensors:
             M, V = st["exp_avg"], st["exp_avg_sq"]
-            n = w.shape[-1] if w.ndim else 1
-            moment_shape = (*w.shape[:-1], -(-n // b))
-            problems = []
-            if g.shape != w.shape:
-                problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
-            for name, x in (("parameter", w), ("gradient", g), ("exp_avg", M), ("exp_avg_sq", V)):
-                if x.device != device:
-                    problems.append(f"{name} on {x.device}, not {device}")
-                if not x.is_contiguous():
-                    problems.append(f"{name} is not contiguous")
-            for name, x in (("exp_avg", M), ("exp_avg_sq", V)):
-                if tuple(x.shape) != moment_shape:
-                    problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
+            problems = pointer_problems(w, g, {"exp_avg": M, "exp_avg_sq": V}, level)
+            if w.device != device:
+                problems.append(f"parameter on {w.device}, not {device}")
             if M.dtype != mdt or V.dtype != mdt or mdt not in _MOMENT_KINDS:
                 problems.append(f"moments of dtypes {M.dtype}/{V.dtype}, the kernels read {mdt}")
             if w.dtype != wdt or g.dtype != gdt or wdt not in _KIND or gdt not in _KIND:
