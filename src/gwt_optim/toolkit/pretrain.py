@@ -142,7 +142,10 @@ def run_pretrain(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     validate_optimizer_spec(cfg.optimizer)
     check_inputs(cfg)
-    summary = train(cfg)  # user errors become one line in gwt_optim.toolkit.errors
+    # --resume on the command line means a run to continue: with no checkpoint it is refused, not begun
+    # afresh (a config file's "resume", which compare writes, may start a run that never saved one).
+    must_resume = bool(vars(args).get("resume"))
+    summary = train(cfg, must_resume=must_resume)  # user errors become one line in gwt_optim.toolkit.errors
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -435,16 +435,30 @@ def lock_run_dir(folder: Path):
         os.close(fd)  # and with it the lock
 
 
-def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack) -> Path:
+def _nothing_to_resume(run: Path) -> str:
+    """Why ``--resume`` of ``run``, which holds no checkpoint, has nothing to continue, and what to do."""
+    if not run.exists():
+        return f"--resume: {run} does not exist, so there is no run to continue; drop --resume to start one there"
+    if any((run / f).is_file() for f in _RUN_FILES):
+        return (f"--resume: {run} holds a run that saved no checkpoint (it stopped before its first one), so "
+                "there is nothing to continue; start afresh with another --out, or delete that folder first")
+    return f"--resume: no checkpoint in {run}, so there is no run to continue; drop --resume to start one there"
+
+
+def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack, *,
+                     must_resume: bool = False) -> Path:
     """The run folder, checked on every rank (they share it) so they all fail alike;
     rank 0 holds its lock (:func:`lock_run_dir`) in ``held``, before anything reads
-    or writes in it."""
+    or writes in it. ``must_resume``: a resume without a checkpoint to continue is
+    refused (the command line's ``--resume``) rather than started from step 0."""
     from gwt_optim.toolkit.checkpoint import list_checkpoints
     from gwt_optim.toolkit.errors import UsageError
 
     run = Path(cfg.out)
     if run.exists() and not run.is_dir():
         raise UsageError(f"--out {run} is a file, not a folder")
+    if cfg.resume and must_resume and not run.is_dir():
+        raise UsageError(_nothing_to_resume(run))
     if is_main:
         try:
             run.mkdir(parents=True, exist_ok=True)
@@ -457,6 +471,8 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
         raise FileExistsError(
             f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
         )
+    if cfg.resume and must_resume and not list_checkpoints(run):
+        raise UsageError(_nothing_to_resume(run))
     if cfg.resume:
         try:
             saved = json.loads((run / "config.json").read_text())
@@ -616,7 +632,7 @@ def _quiet_import_noise() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
+def train(cfg: TrainConfig, callbacks: Iterable[Callback] = (), *, must_resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
     Raises :class:`NonFiniteLossError` when the loss stops being finite.
@@ -624,17 +640,50 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any
     boundary and raises :class:`Stopped`) a checkpoint of the last finished
     step is saved first, so ``--resume`` continues exactly from there. The run
     folder is locked against a second writer until this returns or raises.
+
+    ``cfg.resume`` with no checkpoint in ``cfg.out`` starts from step 0 (what
+    ``compare --resume`` wants of a run that never started), unless
+    ``must_resume`` (``pretrain --resume``): then it is refused. A run that
+    fails before writing anything leaves no folder it created behind.
     """
-    with contextlib.ExitStack() as held:
-        return _train(cfg, callbacks, held)
+    made = _missing_folders(Path(cfg.out))
+    try:
+        with contextlib.ExitStack() as held:
+            return _train(cfg, callbacks, held, must_resume=must_resume)
+    except BaseException:
+        if made and os.environ.get("RANK", "0") == "0":
+            _remove_if_unused(made)
+        raise
 
 
-def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack) -> dict[str, Any]:
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_if_unused(made: list[Path]) -> None:
+    """Remove the folders a failed run created, innermost first, while they hold
+    nothing (the run folder: nothing but its lock file)."""
+    for n, folder in enumerate(made):
+        try:
+            if n == 0 and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+                (folder / LOCK_FILE).unlink()
+            folder.rmdir()
+        except OSError:  # not empty (the run wrote something), or gone: keep what is there
+            return
+
+
+def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack, *,
+           must_resume: bool = False) -> dict[str, Any]:
     # _setup builds a _Run; _Loop drives _train_step, _validate and _Checkpoints over it.
     _quiet_import_noise()
     cfg.validate()
     callbacks = list(callbacks)
-    return _Loop(_setup(cfg, held), callbacks).run()
+    return _Loop(_setup(cfg, held, must_resume=must_resume), callbacks).run()
 
 
 # --------------------------------------------------------------------------- #
@@ -674,7 +723,7 @@ class _Run:
         return self.cfg.batch_size * self.cfg.seq_len
 
 
-def _setup(cfg: TrainConfig, held: contextlib.ExitStack) -> _Run:
+def _setup(cfg: TrainConfig, held: contextlib.ExitStack, *, must_resume: bool = False) -> _Run:
     """Join the ranks, lock the run folder, build data, model, optimizer and
     schedule, put a resumed run's checkpoint in place and write the run's files.
     The order is the trajectory's: the seed is set after the data and before the model."""
@@ -682,7 +731,7 @@ def _setup(cfg: TrainConfig, held: contextlib.ExitStack) -> _Run:
     from gwt_optim.toolkit.distributed import init_distributed
 
     dctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout)
-    folder = _prepare_run_dir(cfg, dctx.is_main, held)
+    folder = _prepare_run_dir(cfg, dctx.is_main, held, must_resume=must_resume)
     dctx.barrier()
     micro, accum = _micro_batches(cfg, dctx)
     amp = _autocast_dtype(cfg.precision, dctx.device)
