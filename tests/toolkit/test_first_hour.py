@@ -5,6 +5,8 @@ uses; a small local text file trains offline."""
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,106 @@ def test_resume_with_nothing_to_resume_refuses_in_one_line(tmp_path, capsys, fol
     assert "continue" in line  # says there is nothing to continue, and what to do instead
     # Nothing trained or written: a missing folder stays missing, a folder keeps just what it held.
     assert _listing(run) == before
+
+
+# ----------------------------------------------------------------- --help states the defaults the run uses
+
+
+def _subparser(*names: str):
+    from gwt_optim.cli import build_parser
+
+    parser = build_parser()
+    for name in names:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+def _rendered(parser) -> dict[str, str]:
+    """Each option's help as ``--help`` prints it (its formatter's expansion, whitespace joined):
+    ``{"--lr": "peak learning rate ... (default: 0.003)"}``."""
+    formatter = parser._get_formatter()
+    full = re.sub(r"\s+", " ", parser.format_help())
+    out = {}
+    for action in parser._actions:
+        if action.option_strings and action.help != argparse.SUPPRESS:
+            out[action.option_strings[0]] = text = " ".join(formatter._expand_help(action).split())
+            assert text.replace("- ", "-") in full.replace("- ", "-")  # printed so (argparse breaks at hyphens)
+    return out
+
+
+def _stated(help_text: str) -> str:
+    """The default a help states: ``0.003`` of ``... (default: 0.003; with --optimizers: 0)``."""
+    m = re.search(r"\(default: ([^;)]*)", help_text)
+    assert m, help_text
+    return m.group(1)
+
+
+def _same(stated: str, value) -> bool:
+    if isinstance(value, bool) or value is None:
+        return False
+    if isinstance(value, tuple):  # a grid: --lrs 0.0001,0.0003
+        return [float(x) for x in stated.split(",")] == list(value)
+    if isinstance(value, (int, float)):
+        return float(stated) == value
+    return stated == str(value)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "compare"])
+def test_training_help_states_the_defaults_the_run_uses(command):
+    from gwt_optim.toolkit import recipes
+    from gwt_optim.toolkit.pretrain import resolve_config
+
+    parser = _subparser(command)
+    helps = _rendered(parser)
+    # What a run with no flags resolves to: the demo recipe for pretrain, the demo's setting for compare.
+    ran = resolve_config(argparse.Namespace(), recipes.DEMO if command == "pretrain" else recipes.DEMO_SETTING)
+    checked = 0
+    for action in parser._actions:
+        if not action.option_strings or action.dest not in ran.to_dict() or "(default: " not in (action.help or ""):
+            continue
+        value = getattr(ran, action.dest)
+        stated = _stated(helps[action.option_strings[0]])
+        if value is None:  # said in words: off, the whole batch, auto
+            assert stated and stated != "None", (action.dest, stated)
+        else:
+            assert _same(stated, value), (action.dest, stated, value)
+            checked += 1
+    assert checked >= 15
+    if command == "pretrain":  # the three the issue found stated wrongly
+        assert [_stated(helps[f]) for f in ("--lr", "--batch-size", "--steps")] == ["0.003", "32", "100"]
+        assert recipes.DEMO["lr"] == 0.003 and recipes.DEMO["batch_size"] == 32 and recipes.DEMO["steps"] == 100
+    else:  # and what --optimizers alone changes, from pretrain's recipe
+        alone = resolve_config(argparse.Namespace(), recipes.DEMO)
+        assert helps["--data"].endswith(f"(default: {ran.data}; with --optimizers: {alone.data})")
+        assert helps["--seed"].endswith(f"(default: {ran.seed}; with --optimizers: {alone.seed})")
+
+
+@pytest.mark.parametrize("task", ["glue", "lm"])
+def test_finetune_help_says_what_every_option_does_and_its_default_once(task):
+    from gwt_optim.toolkit.finetune.glue_train import GlueSettings
+    from gwt_optim.toolkit.finetune.lm_train import LMSettings
+
+    parser = _subparser("finetune", task)
+    helps = _rendered(parser)
+    settings = (GlueSettings if task == "glue" else LMSettings)()
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        text = helps[action.option_strings[0]]
+        assert action.help and text, f"{action.option_strings[0]} has no help"
+        assert text.count("(default:") <= 1 and "(default: None)" not in text, text
+        value = getattr(settings, action.dest, None)
+        if value is not None and action.default is not None and not isinstance(action.default, bool):
+            assert _same(_stated(text), getattr(settings, action.dest)), (action.dest, text)
+    for flag in ("--lr", "--batch-size", "--epochs") if task == "glue" else ("--steps", "--batch-size", "--cache-dir"):
+        assert len(helps[flag]) > 20, (flag, helps[flag])
+
+
+def test_the_pretraining_guide_states_the_same_defaults():
+    from gwt_optim.toolkit.pretrain import run_defaults
+
+    d = run_defaults()
+    rows = (Path(__file__).resolve().parents[2] / "docs" / "pretraining.md").read_text()
+    assert f"peak learning rate ({d['lr']:g})" in rows
+    assert f"optimizer steps ({d['steps']}), sequences per step over all ranks ({d['batch_size']})" in rows
+    assert f"tokens per sequence ({d['seq_len']})" in rows

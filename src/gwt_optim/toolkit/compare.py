@@ -286,5 +286,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="run each optimizer under torchrun with N "
                    "processes (DDP; add --fsdp for FSDP2)")
     p.add_argument("--list", action="store_true", help="list the registered optimizers and exit")
-    add_training_arguments(p, single_optimizer=False)
+    from gwt_optim.toolkit.pretrain import run_defaults
+
+    # The demo's setting, and pretrain's defaults where --optimizers alone changes them (run_compare).
+    add_training_arguments(p, single_optimizer=False, defaults=run_defaults(recipes.DEMO_SETTING),
+                           otherwise=("with --optimizers", run_defaults(recipes.DEMO)))
     p.set_defaults(func=run_compare)

@@ -16,72 +16,119 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["register", "add_training_arguments", "resolve_config", "check_inputs", "run_pretrain"]
+__all__ = ["register", "add_training_arguments", "run_defaults", "resolve_config", "check_inputs", "run_pretrain"]
 
 
 def _float_or_none(text: str) -> float | None:
     return None if text.lower() in ("none", "off", "0") else float(text)
 
 
-def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool) -> None:
-    """The flags shared by ``pretrain`` and ``compare`` (defaults live in TrainConfig,
-    so only flags actually given reach the namespace)."""
+def run_defaults(recipe: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every setting a run takes when no flag, ``--paper`` or ``--config`` sets it: the
+    built-in :class:`~gwt_optim.toolkit.train.TrainConfig` defaults under ``recipe``
+    (default: :data:`~gwt_optim.toolkit.recipes.DEMO`, what ``pretrain`` runs)."""
+    from gwt_optim.toolkit.recipes import DEMO
+    from gwt_optim.toolkit.train import TrainConfig
+
+    return {**TrainConfig().to_dict(), **(DEMO if recipe is None else recipe)}
+
+
+def _shown(value: Any, none: str = "none") -> str:
+    if value is None:
+        return none
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool,
+                           defaults: Mapping[str, Any] | None = None,
+                           otherwise: tuple[str, Mapping[str, Any]] | None = None) -> None:
+    """The flags shared by ``pretrain`` and ``compare``. Only flags actually given
+    reach the namespace; the run's defaults come from its recipe
+    (:func:`resolve_config`), and the help states them from that same recipe
+    (``defaults``, :func:`run_defaults` of :data:`~gwt_optim.toolkit.recipes.DEMO`
+    unless given), so the two cannot disagree. ``otherwise``: ``(when, recipe)``,
+    another recipe's value, shown beside each default it changes."""
     S = argparse.SUPPRESS
+    d = run_defaults() if defaults is None else dict(defaults)
+    alt_when, alt = otherwise if otherwise is not None else ("", {})
+
+    def default(key: str, none: str = "none") -> str:
+        """``(default: VALUE)``, with ``none`` for a value of None."""
+        text = f"(default: {_shown(d[key], none)}"
+        if otherwise is not None and key in alt and alt[key] != d[key]:
+            text += f"; {alt_when}: {_shown(alt[key], none)}"
+        return text + ")"
+
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=S, help="shipped config (llama_9m ... llama_7b, or 60m) or a local HF "
-                   "model directory / config.json (default: llama_9m)")
+                   f"model directory / config.json {default('model')}")
     g.add_argument("--pretrained", action="store_true", default=S,
                    help="load the weights of a local --model directory instead of fresh ones")
     g.add_argument("--data", default=S, help="'demo' (bundled KJV corpus), 'pysrc' (~50M tokens built from pinned "
                    "PyPI sdists), 'pysrc-small' (5.3M tokens of it, the compare demo's), 'c4' (streamed "
-                   "allenai/c4) or a path to a .txt/.jsonl/.parquet file or folder (default: demo)")
-    g.add_argument("--tokenizer", default=S, help="'t5-base' (the paper's; default for c4 and local data), 'bpe' or "
-                   "'bpe:VOCAB' (byte-level BPE trained on the training split; default for demo), or a HF name/path")
-    g.add_argument("--vocab-size", type=int, default=S, help="vocabulary of a BPE trained here (default 4096)")
-    g.add_argument("--seq-len", type=int, default=S, help="tokens per packed sequence (default 256)")
+                   "allenai/c4) or a path to a .txt (documents separated by blank lines), .jsonl or .parquet file "
+                   f"or folder {default('data')}")
+    g.add_argument("--tokenizer", default=S, help="'bpe' or 'bpe:VOCAB' (a byte-level BPE trained here on the "
+                   "training split, offline), 't5-base' (the paper's), or a HF name or folder "
+                   + default("tokenizer", "bpe for demo and pysrc, t5-base for c4 and local data"))
+    g.add_argument("--vocab-size", type=int, default=S,
+                   help=f"vocabulary of a BPE trained here {default('vocab_size')}")
+    g.add_argument("--seq-len", type=int, default=S, help=f"tokens per packed sequence {default('seq_len')}")
 
     g = p.add_argument_group("optimization")
     if single_optimizer:
         g.add_argument("--optimizer", default=S, help="registry name with options, e.g. 'adamw', "
-                       "'gwt-adamw:level=3:wavelet=haar' (see `compare --list`) (default: adamw)")
-    g.add_argument("--lr", type=float, default=S, help="peak learning rate (default 1e-3; 'name:lr=...' overrides "
-                   "per optimizer)")
+                       f"'gwt-adamw:level=3:wavelet=haar' (see `compare --list`) {default('optimizer')}")
+    g.add_argument("--lr", type=float, default=S, help="peak learning rate; 'name:lr=...' overrides it per "
+                   f"optimizer {default('lr')}")
     g.add_argument("--scale", "--alpha", dest="scale", type=float, default=S,
-                   help="module-wise alpha on attention/MLP weights, for every optimizer (default 1.0)")
-    g.add_argument("--weight-decay", type=float, default=S, help="decoupled weight decay (default 0)")
+                   help=f"module-wise alpha on attention/MLP weights, for every optimizer {default('scale')}")
+    g.add_argument("--weight-decay", type=float, default=S,
+                   help=f"decoupled weight decay {default('weight_decay')}")
     g.add_argument("--recipe", choices=("paper", "hidden"), default=S,
-                   help="which weights get alpha and the transform (default: paper = attention + MLP)")
-    g.add_argument("--steps", type=int, default=S, help="optimizer steps (default 200)")
-    g.add_argument("--batch-size", type=int, default=S, help="sequences per optimizer step, all ranks (default 8)")
+                   help=f"which weights get alpha and the transform (paper: attention + MLP) {default('recipe')}")
+    g.add_argument("--steps", type=int, default=S, help=f"optimizer steps {default('steps')}")
+    g.add_argument("--batch-size", type=int, default=S,
+                   help=f"sequences per optimizer step, all ranks {default('batch_size')}")
     g.add_argument("--micro-batch-size", type=int, default=S,
-                   help="sequences per forward pass and rank; gradient accumulation makes up the rest")
-    g.add_argument("--warmup", type=float, default=S, help="warm-up: fraction of steps if < 1, else steps (0.1)")
-    g.add_argument("--min-lr-ratio", type=float, default=S, help="cosine decays to this times the peak (0.1)")
-    g.add_argument("--grad-clip", type=_float_or_none, default=S, help="clip the gradient norm (default: off)")
+                   help="sequences per forward pass and rank; gradient accumulation makes up the rest "
+                   + default("micro_batch_size", "the whole batch"))
+    g.add_argument("--warmup", type=float, default=S,
+                   help=f"warm-up: a fraction of the steps if < 1, else steps {default('warmup')}")
+    g.add_argument("--min-lr-ratio", type=float, default=S,
+                   help=f"the cosine decays to this times the peak {default('min_lr_ratio')}")
+    g.add_argument("--grad-clip", type=_float_or_none, default=S, help="clip the gradient norm at this value, or "
+                   f"'off' {default('grad_clip', 'off')}")
     g.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=S,
-                   help="auto: bf16 autocast on CUDA GPUs that support it, fp32 otherwise")
-    g.add_argument("--seed", type=int, default=S, help="weights and data order (default 0)")
+                   help=f"auto: bf16 autocast on CUDA GPUs that support it, fp32 otherwise {default('precision')}")
+    g.add_argument("--seed", type=int, default=S, help=f"weights and data order {default('seed')}")
 
     g = p.add_argument_group("evaluation, checkpoints, hardware")
-    g.add_argument("--eval-every", type=int, default=S, help="validate every N steps, and at the end (default 25)")
-    g.add_argument("--val-tokens", type=int, default=S, help="validation token budget (default 16384)")
-    g.add_argument("--eval-batch-size", type=int, default=S, help="sequences per validation forward pass (16)")
-    g.add_argument("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end only)")
-    g.add_argument("--keep-last", type=int, default=S, help="checkpoints to keep (default 2)")
+    g.add_argument("--eval-every", type=int, default=S,
+                   help=f"validate every N steps, and at the end {default('eval_every')}")
+    g.add_argument("--val-tokens", type=int, default=S, help=f"validation token budget {default('val_tokens')}")
+    g.add_argument("--eval-batch-size", type=int, default=S,
+                   help=f"sequences per validation forward pass {default('eval_batch_size')}")
+    g.add_argument("--save-every", type=int, default=S,
+                   help=f"checkpoint every N steps; 0: at the end only {default('save_every')}")
+    g.add_argument("--keep-last", type=int, default=S, help=f"checkpoints to keep {default('keep_last')}")
     g.add_argument("--fsdp", action="store_true", default=S, help="under torchrun: FSDP2 instead of DDP")
     g.add_argument("--gradient-checkpointing", action="store_true", default=S,
                    help="recompute each layer's activations in backward (less memory, about 1/3 more compute)")
     g.add_argument("--step-in-backward", action="store_true", default=S,
                    help="step each parameter inside backward and free its gradient at once (one process; no "
                    "gradient accumulation, no --grad-clip)")
-    g.add_argument("--device", default=S, help="auto (default), cpu, cuda")
+    g.add_argument("--device", default=S, help=f"auto, cpu or cuda {default('device')}")
     g.add_argument("--dist-timeout", type=float, metavar="SECONDS", default=S,
                    help="under torchrun: how long a rank waits for the others (a stopped or dead rank) before the "
-                   "run fails (default: 300 on CPU/gloo, 1800 on GPUs/NCCL)")
+                   "run fails " + default("dist_timeout", "300 on CPU/gloo, 1800 on GPUs/NCCL"))
     g.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
-    g.add_argument("--paper", metavar="SIZE", help="the paper's C4 recipe for LLaMA SIZE: 60m, 130m, 350m, 1b (GPUs)")
+    g.add_argument("--paper", metavar="SIZE", help="the paper's C4 recipe for LLaMA SIZE: 60m, 130m, 350m, 1b "
+                   "(GPUs); it replaces the defaults above")
     g.add_argument("--config", metavar="FILE", help="start from a run's config.json; flags given override it")
 
 
@@ -167,7 +214,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "parallel under torchrun (add --fsdp for FSDP2)."
         ),
     )
-    p.add_argument("--out", default=argparse.SUPPRESS, help="run directory (default runs/pretrain)")
+    p.add_argument("--out", default=argparse.SUPPRESS, help=f"run directory (default: {run_defaults()['out']})")
     p.add_argument("--resume", action="store_true", default=argparse.SUPPRESS,
                    help="continue the run in --out from its latest checkpoint, exactly where it stopped, with "
                    "the run's own config.json; only --steps, --eval-every, --eval-batch-size, --save-every, "

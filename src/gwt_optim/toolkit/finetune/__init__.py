@@ -20,7 +20,7 @@ import argparse
 import sys
 import importlib
 
-__all__ = ["register"]
+__all__ = ["register", "DefaultsHelpFormatter"]
 
 # sub-command -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -46,6 +46,19 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with ``(default: VALUE)`` taken from the parser, so
+    the help states the default the run uses; left out where the help already
+    says it, and for switches and options with no value by default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "finetune",
@@ -63,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             name,
             help=help_text,
             description=module.__doc__.split("\n\n", 1)[0],
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=DefaultsHelpFormatter,
         )
         module.add_arguments(p)
         p.set_defaults(func=_run)

@@ -216,7 +216,7 @@ def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, o
     """The flags every ``finetune`` task shares: ``--seed``, ``--device``,
     ``--isolate``, ``--out`` and ``--no-progress``. ``defaults`` is the task's
     settings dataclass; ``runs`` names what one isolated run is."""
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=int, default=defaults.seed, help="weights, data order and dropout")
     p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
     p.add_argument(
         "--isolate",

@@ -83,17 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated registry optimizers with options (name:key=value), or lora:r=8",
     )
     p.add_argument("--model", default=d.model, help="hub id or local directory of a pretrained encoder")
-    p.add_argument("--data-dir", default=None, help="local GLUE data: DIR/<task>/<split>.jsonl|.tsv (else the hub)")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--data-dir", default=None,
+                   help="local GLUE data: DIR/<task>/<split>.jsonl|.tsv (default: the Hub's nyu-mll/glue)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every method (after the warm-up it "
+                   "decays linearly)")
     p.add_argument("--scale", type=float, default=d.scale, help="module-wise alpha on the target layers")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--max-length", type=int, default=d.max_length)
-    p.add_argument("--epochs", type=float, default=d.epochs)
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (overrides epochs)")
-    p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction if < 1")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-train-samples", type=int, default=None)
-    p.add_argument("--max-eval-samples", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training sequences per optimizer step")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example; longer ones are cut")
+    p.add_argument("--epochs", type=float, default=d.epochs, help="passes over each task's training set")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="stop after this many optimizer steps, whatever --epochs says; -1: --epochs decides")
+    p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of them if < 1")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
+    p.add_argument("--max-train-samples", type=int, default=None,
+                   help="train on the first N examples of each task (default: all)")
+    p.add_argument("--max-eval-samples", type=int, default=None,
+                   help="evaluate on the first N examples of each task (default: all)")
     add_run_arguments(
         p, d, runs="(method, task)", out="results/finetune-glue", out_help="directory for results.json and results.md"
     )

@@ -105,27 +105,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or a hub id",
     )
     p.add_argument("--data", default=d.data, help="a corpus name of the toolkit (demo), a .txt file, or Alpaca .json/.jsonl")
-    p.add_argument("--format", choices=("auto", "text", "alpaca"), default=d.format)
+    p.add_argument("--format", choices=("auto", "text", "alpaca"), default=d.format,
+                   help="how --data is read; auto: Alpaca for .json, and for .jsonl whose records have an "
+                   "'instruction', plain text otherwise")
     p.add_argument("--val-data", default=None, help="validation file (default: hold out --val-fraction of --data)")
     p.add_argument(
         "--val-fraction", type=float, default=d.val_fraction, help="Alpaca records held out when there is no --val-data"
     )
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated registry optimizers with options, and lora:r=8|auto")
     p.add_argument("--lrs", default=",".join(f"{x:g}" for x in d.lrs), help="learning-rate grid, the same for every method")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of each (method, lr) run")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="validation batches of --batch-size sequences each")
     p.add_argument("--scale", type=float, default=d.scale, help="module-wise alpha on the target layers, for every method")
     p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of --steps if < 1")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
+                   help="clip the gradient norm at this value; 0 disables clipping")
     add_run_arguments(
         p, d, runs="(method, lr)", out="results/finetune-lm",
         out_help="directory for results.json, results.md and the model cache",
     )
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (recorded in the results)")
-    p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: --out)")
+    p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: the --out "
+                   "folder)")
 
 
 def main(args: argparse.Namespace) -> int:
