@@ -149,3 +149,41 @@ def test_the_pretraining_guide_states_the_same_defaults():
     assert f"peak learning rate ({d['lr']:g})" in rows
     assert f"optimizer steps ({d['steps']}), sequences per step over all ranks ({d['batch_size']})" in rows
     assert f"tokens per sequence ({d['seq_len']})" in rows
+
+
+# ----------------------------------------------------------------- one rule for a number, no empty folder left
+
+
+@pytest.mark.parametrize("command", ["pretrain", "compare"])
+@pytest.mark.parametrize("flag, spec_option, rule", [
+    ("--lr", "lr", "must be a number > 0"),
+    ("--weight-decay", "weight_decay", "must be a number >= 0"),
+    ("--scale", "scale", "must be a number > 0"),
+])
+def test_a_spec_option_follows_the_rule_of_its_flag_and_leaves_no_folder(tmp_path, capsys, command, flag,
+                                                                           spec_option, rule):
+    out = tmp_path / "runs" / "new"
+    optimizer = ["--optimizer" if command == "pretrain" else "--optimizers", f"gwt-adamw:{spec_option}=-1"]
+    assert main([command, *optimizer, "--out", str(out)]) == 2
+    from_spec = _error(capsys)
+    assert main([command, flag, "-1", "--out", str(out)]) == 2
+    from_flag = _error(capsys)
+    assert f"{flag} {rule}, got -1.0" in from_flag
+    assert f"'gwt-adamw:{spec_option}=-1': {spec_option} {rule}, got -1" in from_spec
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_check_made_after_the_folder_is_made_removes_it(tiny_model, corpus, tmp_path, capsys):
+    out = tmp_path / "runs" / "new"
+    # 6 sequences do not split into micro-batches of 4: found once the run has its folder and lock.
+    assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--tokenizer", "bpe:320", "--seq-len", "32",
+                 "--batch-size", "6", "--micro-batch-size", "4", "--steps", "1", "--device", "cpu", "--no-progress",
+                 "--out", str(out)]) == 2
+    assert "--micro-batch-size" in _error(capsys)
+    assert not (tmp_path / "runs").exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--tokenizer", "bpe:320", "--seq-len", "32",
+                 "--batch-size", "6", "--micro-batch-size", "4", "--steps", "1", "--device", "cpu", "--no-progress",
+                 "--out", str(kept)]) == 2
+    assert kept.is_dir()  # a folder the user made stays

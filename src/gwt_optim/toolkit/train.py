@@ -65,7 +65,41 @@ __all__ = [
     "Stopped",
     "LOCK_FILE",
     "lock_run_dir",
+    "check_number",
+    "check_spec_numbers",
 ]
+
+
+def check_number(flag: str, value: Any, *, minimum: float, integer: bool = False, strict: bool = False) -> None:
+    """The one rule for a numeric setting, whether a flag (``--lr``) or an optimizer
+    option (``gwt-adamw:lr=...``): raise ``UsageError("FLAG must be a number > 0, got V")``."""
+    from gwt_optim.toolkit.errors import UsageError
+
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok or not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise UsageError(f"{flag} must be {kind} {bound}, got {value!r}")
+
+
+# The bounds of the settings a flag and an optimizer spec's option both set: (minimum, strict).
+SHARED_BOUNDS: dict[str, tuple[float, bool]] = {
+    "lr": (0, True), "regular_lr": (0, True), "scale": (0, True), "weight_decay": (0, False), "eps": (0, False),
+}
+
+
+def check_spec_numbers(spec: str) -> None:
+    """Check ``spec``'s shared options (``gwt-adamw:lr=-1``) by the rule its flags follow
+    (``--lr``), before anything is created; names and option kinds are the registry's to check."""
+    from gwt_optim.toolkit.registry import _convert, split_spec
+
+    for key, raw in split_spec(spec)[1].items():
+        if key in SHARED_BOUNDS:
+            minimum, strict = SHARED_BOUNDS[key]
+            value = _convert(raw)
+            check_number(f"optimizer {spec!r}: {key}", value, minimum=minimum, strict=strict)
 
 
 @register_user_error  # errors imports no toolkit module: the type joins it here
@@ -134,14 +168,7 @@ class TrainConfig:
         from gwt_optim.toolkit.errors import UsageError
 
         def number(name: str, value: Any, *, minimum: float, integer: bool, strict: bool = False) -> None:
-            flag = "--" + name.replace("_", "-")
-            kind = "an integer" if integer else "a number"
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if integer:
-                ok = ok and float(value).is_integer()
-            if not ok or not math.isfinite(value) or value < minimum or (strict and value == minimum):
-                bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-                raise UsageError(f"{flag} must be {kind} {bound}, got {value!r}")
+            check_number("--" + name.replace("_", "-"), value, minimum=minimum, integer=integer, strict=strict)
 
         for name in ("steps", "seq_len", "batch_size", "eval_batch_size", "val_tokens"):
             number(name, getattr(self, name), minimum=1, integer=True)
@@ -151,11 +178,12 @@ class TrainConfig:
             number(name, getattr(self, name), minimum=0, integer=True)
         if self.micro_batch_size is not None:
             number("micro_batch_size", self.micro_batch_size, minimum=1, integer=True)
-        number("lr", self.lr, minimum=0, integer=False, strict=True)
-        number("scale", self.scale, minimum=0, integer=False, strict=True)
-        number("weight_decay", self.weight_decay, minimum=0, integer=False)
+        for name in ("lr", "scale", "weight_decay", "eps"):
+            minimum, strict = SHARED_BOUNDS[name]
+            number(name, getattr(self, name), minimum=minimum, integer=False, strict=strict)
         number("warmup", self.warmup, minimum=0, integer=False)
-        number("eps", self.eps, minimum=0, integer=False)
+        if isinstance(self.optimizer, str):
+            check_spec_numbers(self.optimizer)  # gwt-adamw:lr=-1 by the rule of --lr
         if self.grad_clip is not None:
             number("grad_clip", self.grad_clip, minimum=0, integer=False, strict=True)
         if self.dist_timeout is not None:
