@@ -38,6 +38,7 @@ class Capabilities:
     contiguous: bool = True  # needs a contiguous weight and gradient
     detail_clip: bool = False  # a clipped form of the details (group["detail_clip"])
     int8_moments: bool = False  # reads moment_dtype="int8" codes
+    match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
     # Runs whole steps (phase 1, limiter, phase 2) of many parameters in one
     # call (step_many): the "batched" path, and the plain level-0 step.
     batched: bool = False

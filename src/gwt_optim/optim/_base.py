@@ -208,6 +208,8 @@ class GWTOptimizer(Optimizer):
             # Opt-in small-batch remedy (docs/algorithm.md, "Detail clipping"):
             # None is the paper's update.
             "detail_clip": None,
+            # The transfer rule (functional.match_row_rms); False is the paper's step size.
+            "match_rms": False,
         }
         base.update(defaults)
         self._validate_group(base)
@@ -320,6 +322,8 @@ class GWTOptimizer(Optimizer):
             isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip) and clip > 0
         ):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
+        if not isinstance(g["match_rms"], bool):
+            raise ValueError(f"Invalid match_rms: {g['match_rms']!r} (True or False)")
         md = g["moment_dtype"]
         if md is not None and md not in _MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(_MOMENT_DTYPES)} or None)")
@@ -383,7 +387,7 @@ class GWTOptimizer(Optimizer):
         (:func:`~gwt_optim.optim.functional.direction`; GWT-Muon replaces it)."""
         scale = ps.group["scale"] if ps.transformed else 1.0
         clip = ps.group["detail_clip"] if ps.transformed else None
-        return direction(ps.grad, ps.A, ps.U, ps.den, r, scale, ps.level, clip, ps.coeffs)
+        return direction(ps.grad, ps.A, ps.U, ps.den, r, scale, ps.level, clip, ps.coeffs, ps.group["match_rms"])
 
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
@@ -420,9 +424,9 @@ class GWTOptimizer(Optimizer):
             # torch's older state dicts hold the step as a number; the step reads a tensor.
             "state": {pid: {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and _is_real(v) else v
                             for k, v in st.items()} for pid, st in state_dict["state"].items()},
-            # A group saved before detail_clip existed ran the paper's update:
-            # it keeps doing so rather than taking today's default.
-            "param_groups": [{"detail_clip": None, **{k: v for k, v in g.items() if k != "optimizer"}}
+            # A group saved before detail_clip or match_rms existed ran the
+            # paper's update: it keeps doing so rather than taking today's default.
+            "param_groups": [{"detail_clip": None, "match_rms": False, **{k: v for k, v in g.items() if k != "optimizer"}}
                              for g in saved_groups],
         }
         check_saved_state(self, state_dict)
@@ -559,7 +563,7 @@ class GWTOptimizer(Optimizer):
         rather than only a kernel's arguments: a change makes a new plan."""
         return (
             group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
-            group["norm_growth_limit"] is None, group["detail_clip"] is None,
+            group["norm_growth_limit"] is None, group["detail_clip"] is None, group["match_rms"],
         )
 
     def _count_skipped(self, skipped: tuple | list) -> None:
@@ -675,6 +679,8 @@ class GWTOptimizer(Optimizer):
                 why = caps.refusal(w, g, md, level)
                 if why is None and group["detail_clip"] is not None and not caps.detail_clip:
                     why = "has no clipped form of the details (detail_clip)"
+                if why is None and group["match_rms"] and level > 0 and not caps.match_rms:
+                    why = "has no row-RMS match of the update (match_rms)"
                 if why is None and group["moment_dtype"] == "int8" and not caps.int8_moments:
                     why = "does not read int8 moments"
                 if why is None and level == 0 and not caps.batched:

@@ -101,6 +101,7 @@ class GWTAdafactor(GWTOptimizer):
         beta1: float | None = None,
         relative_step: bool = True,
         detail_norm: str = "clip",
+        match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         compile: bool | None = None,
@@ -109,6 +110,7 @@ class GWTAdafactor(GWTOptimizer):
             lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
+            match_rms=match_rms,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

@@ -106,6 +106,7 @@ class GWTAdamMini(GWTOptimizer):
         *,
         block: str = "neuron",
         head_dim: int | None = None,
+        match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         compile: bool | None = None,
@@ -114,6 +115,7 @@ class GWTAdamMini(GWTOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             moment_dtype=moment_dtype, block=block, head_dim=head_dim,
+            match_rms=match_rms,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

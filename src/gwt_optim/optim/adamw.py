@@ -113,6 +113,7 @@ class GWTAdamW(GWTOptimizer):
         norm_growth_limit: float | None = 1.01,
         *,
         detail_clip: float | None = 0.5,
+        match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         compile: bool | None = None,
@@ -121,6 +122,7 @@ class GWTAdamW(GWTOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             detail_clip=detail_clip, moment_dtype=moment_dtype,
+            match_rms=match_rms,
         )
         super().__init__(params, defaults, impl=impl, compile=compile)
 

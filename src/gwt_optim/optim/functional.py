@@ -46,7 +46,7 @@ from gwt_optim import wavelets
 
 __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor",
-    "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
+    "transform", "haar_approx", "limiter_ratio", "direction", "match_row_rms", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
     "adafactor_moments",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
@@ -110,18 +110,46 @@ def limiter_ratio(norm_sq: Tensor | float, s: Tensor, step: int, gamma: float) -
 
 
 def direction(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, r: Tensor | float, alpha: float, level: int,
-              clip: float | None = None, coeffs: wavelets.Coefficients | None = None) -> Tensor:
+              clip: float | None = None, coeffs: wavelets.Coefficients | None = None,
+              match_rms: bool = False) -> Tensor:
     """Step 4: Delta = alpha * IDWT([U, D_l/den', ..., D_1/den']) / r, full size.
 
     ``coeffs`` from :func:`transform` selects the literal inverse; otherwise
     the Haar closed form over ``G``. ``den=None`` leaves the details raw.
+    ``match_rms`` rescales each row of Delta to the RMS of U's row times
+    alpha / r (:func:`match_row_rms`, the transfer rule).
     """
-    if coeffs is not None:
-        return _reference_inverse(coeffs, U, den, r, clip) * alpha
     coef = alpha / r if isinstance(r, float) else (alpha / r).to(U.dtype)
     if level == 0:
         return U * coef
-    return _haar_delta(G, A, U, den, coef, level, clip)
+    if coeffs is not None:
+        delta = _reference_inverse(coeffs, U, den, r, clip) * alpha
+    else:
+        delta = _haar_delta(G, A, U, den, coef, level, clip)
+    return match_row_rms(delta, U, coef) if match_rms else delta
+
+
+def match_row_rms(delta: Tensor, U: Tensor, coef) -> Tensor:
+    r"""The transfer rule: each row of ``delta`` rescaled to the RMS of the
+    same row of ``U`` times ``coef`` (alpha / r), in place.
+
+    ``U`` is Adam's update on the approximation coefficients, so its RMS is
+    that of AdamW's update on the same gradients in both limits: pure noise
+    (:math:`pprox\sqrt{(1-eta_1)/(1+eta_1)}`) and a steady signal
+    (:math:`pprox 1`). The inverse transform returns :math:`U` to each entry
+    as :math:`U\,2^{-l/2}` and adds the normalized details, whose size depends
+    on the noise, the level and the clip: measured against AdamW the paper's
+    update ranges from 0.5x to 30x (``benchmarks/update_rms.py``). Matched,
+    it carries AdamW's learning rate and weight decay. Rows (all leading
+    dimensions) rather than the whole matrix: a row is local to its FSDP2
+    shard, and Adam's row-to-row differences in size are kept.
+    """
+    if delta.ndim < 2:
+        return delta
+    want = U.square().mean(-1, keepdim=True).sqrt_().mul_(coef)
+    have = delta.square().mean(-1, keepdim=True).sqrt_()
+    return delta.mul_(torch.where(have > 0, want / torch.where(have > 0, have, torch.ones_like(have)),
+                                  torch.zeros_like(have)))
 
 
 def apply_update(W: Tensor, delta: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
@@ -229,7 +257,7 @@ def adam_step_factor(step: int, beta1: float, beta2: float) -> float:
 def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter_norm: Tensor | None, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
               alpha: float, gamma: float | None, detail_clip: float | None, impl: str = "fast",
-              wavelet: str = wavelets.HAAR) -> None:
+              wavelet: str = wavelets.HAAR, match_rms: bool = False) -> None:
     """One GWT-AdamW step of W (``step`` = t, counted from 1), in place.
 
     ``exp_avg``/``exp_avg_sq`` are shaped like A_l (fp32 or lower), and
@@ -243,7 +271,7 @@ def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter
     A, coeffs = transform(G, level, impl, wavelet)
     U, den = adamw_moments(A, exp_avg, exp_avg_sq, step, beta1, beta2, eps)
     r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
     apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
 
 
@@ -376,7 +404,8 @@ def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta
 def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_norm: Tensor | None, *,
                   step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
                   alpha: float, gamma: float | None, block: str, head_dim: int | None = None,
-                  detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
+                  detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR,
+                  match_rms: bool = False) -> None:
     """One GWT-Adam-mini step of W, in place: GWT-AdamW's with one second moment per block.
 
     ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
@@ -387,7 +416,7 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
     A, coeffs = transform(G, level, impl, wavelet)
     U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim)
     r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
     apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
 
 
@@ -453,7 +482,7 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                   eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
                   beta1: float | None = None, relative_step: bool = True, detail_norm: str = "clip", level: int,
                   alpha: float, gamma: float | None = None, detail_clip: float | None = None, impl: str = "fast",
-                  wavelet: str = wavelets.HAAR) -> None:
+                  wavelet: str = wavelets.HAAR, match_rms: bool = False) -> None:
     """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
     matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
     if W.ndim < 2:
@@ -464,5 +493,5 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                                beta2_decay=beta2_decay, eps1=eps[0], d=d, beta1=beta1, detail_norm=detail_norm)
     r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
     c_t = adafactor_step_factor(W, step, lr, eps[1], relative_step)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs)
+    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
     apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * c_t)

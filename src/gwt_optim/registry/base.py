@@ -251,6 +251,7 @@ GWT_OPTIONS: dict[str, Any] = {
     "wavelet": "haar",
     "norm_growth_limit": 1.01,
     "detail_clip": None,
+    "match_rms": None,  # the transfer rule (functional.match_row_rms); None: the class's default
     "impl": "fast",
     "moment_dtype": None,
 }
@@ -259,11 +260,13 @@ GWT_OPTIONS: dict[str, Any] = {
 def gwt_group_options(cfg: OptimizerConfig) -> dict[str, Any]:
     """Pop the shared GWT options: the transform's keyword arguments of
     :func:`gwt_optim.groups.gwt_param_groups` plus ``detail_clip``."""
+    match_rms = cfg.pop("match_rms")
     return {
         "level": cfg.pop("level"),
         "wavelet": cfg.pop("wavelet"),
         "norm_growth_limit": cfg.pop("norm_growth_limit"),
-        "transformed_options": {"detail_clip": cfg.pop("detail_clip")},
+        "transformed_options": {"detail_clip": cfg.pop("detail_clip"),
+                                **({} if match_rms is None else {"match_rms": match_rms})},
     }
 
 

@@ -1,0 +1,139 @@
+"""The transfer rule (``match_rms``, :func:`gwt_optim.optim.functional.match_row_rms`):
+each row of a GWT step rescaled to the RMS of Adam's update on the
+approximation coefficients, so that AdamW's learning rate carries over.
+
+The float64 oracle and the eager path's equality to the function are in
+tests/test_functional.py; here, the property the rule exists for (AdamW's
+update RMS in both synthetic limits, every level, with and without the clip,
+where the paper's update is 0.3x to 140x off), its routing and its saved form.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
+from gwt_optim.optim import functional as F
+
+
+def _update_rms(grads, *, level, clip, match_rms, steps_averaged=10):
+    """Mean RMS of the last steps' updates at lr 1, alpha 1, no limiter (AdamW at level 0)."""
+    W = torch.zeros(grads[0].shape, dtype=torch.float64)
+    n = W.shape[-1]
+    shape = (*W.shape[:-1], -(-n // (1 << level)))
+    M, V = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    rms = []
+    for t, G in enumerate(grads, 1):
+        before = W.clone()
+        F.gwt_adamw(W, G, M, V, None, step=t, lr=1.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                    level=level, alpha=1.0, gamma=None, detail_clip=clip, match_rms=match_rms)
+        rms.append((before - W).square().mean().sqrt().item())
+    return sum(rms[-steps_averaged:]) / steps_averaged
+
+
+def _limits(steps=60):
+    gen = torch.Generator().manual_seed(0)
+    noise = [torch.randn(32, 128, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    signal = [torch.randn(32, 128, generator=gen, dtype=torch.float64)] * steps
+    return {"noise": noise, "signal": signal}
+
+
+LIMITS = _limits()
+
+
+@pytest.mark.parametrize("limit", ["noise", "signal"])
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_rule_gives_adamws_update_rms_in_both_limits(limit, level, clip):
+    grads = LIMITS[limit]
+    adamw = _update_rms(grads, level=0, clip=None, match_rms=False)
+    ratio = _update_rms(grads, level=level, clip=clip, match_rms=True) / adamw
+    assert abs(ratio - 1) < 0.03, ratio
+    paper = _update_rms(grads, level=level, clip=clip, match_rms=False) / adamw
+    # What the rule corrects: without it the step's size depends on the limit, the level and the clip.
+    assert abs(paper - 1) > 0.05, paper
+
+
+def test_every_row_of_the_step_has_the_rms_of_us_row_over_r():
+    gen = torch.Generator().manual_seed(1)
+    G = torch.randn(6, 3, 40, generator=gen, dtype=torch.float64)
+    A = F.haar_approx(G, 2)
+    U = torch.randn(A.shape, generator=gen, dtype=torch.float64)
+    den = torch.rand(A.shape, generator=gen, dtype=torch.float64) + 0.1
+    r = 1.7
+    delta = F.direction(G, A, U, den, r, 0.5, 2, clip=0.5, match_rms=True)
+    rms = lambda x: x.square().mean(-1).sqrt()  # noqa: E731
+    torch.testing.assert_close(rms(delta), rms(U) * 0.5 / r, rtol=1e-12, atol=0)
+    assert torch.equal(F.direction(G, G, U[..., :1].expand(6, 3, 40).clone(), den[..., :1], r, 0.5, 0, match_rms=True),
+                       F.direction(G, G, U[..., :1].expand(6, 3, 40).clone(), den[..., :1], r, 0.5, 0))
+
+
+def test_level_zero_and_vectors_are_plain_adamw_with_the_rule_on():
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(8, 16), (16,)]
+    W0 = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    out = []
+    for match_rms in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in W0]
+        opt = GWTAdamW([{"params": params[:1], "level": 0}, {"params": params[1:]}], lr=0.01, match_rms=match_rms)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        out.append(params)
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def test_no_kernel_has_the_rule_yet_so_its_matrices_step_eagerly():
+    w, b = torch.nn.Parameter(torch.randn(8, 32)), torch.nn.Parameter(torch.randn(8))
+    opt = GWTAdamW([w, b], lr=0.01, match_rms=True)
+    group = opt.param_groups[0]
+    assert opt.route(group, w, torch.randn(8, 32)).path == "haar"
+    assert opt.route(group, b, torch.randn(8)).path == "batched"  # level 0: the rule changes nothing
+    plain = GWTAdamW([w], lr=0.01)
+    assert plain.route(plain.param_groups[0], w, torch.randn(8, 32)).path == "batched"
+
+
+@pytest.mark.parametrize("cls", [GWTAdamW, GWTAdamMini, GWTAdafactor])
+def test_a_state_dict_from_before_the_rule_keeps_the_papers_step(cls):
+    w = torch.nn.Parameter(torch.randn(8, 32))
+    opt = cls([w], lr=0.01)
+    w.grad = torch.randn(8, 32)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        del g["match_rms"]
+    new = cls([w], lr=0.01, match_rms=True)
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["match_rms"] is False
+
+
+def test_bad_values_and_muon_groups_are_value_errors():
+    w = torch.nn.Parameter(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="match_rms"):
+        GWTAdamW([w], match_rms="yes")
+    with pytest.raises(ValueError, match="match_rms_adamw"):
+        GWTMuon([{"params": [w], "match_rms": True}])
+    GWTMuon([{"params": [w], "use_muon": False, "match_rms": True}])  # its AdamW groups take it
+
+
+def test_the_registry_spec_sets_the_rule_on_the_transformed_matrices():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                         num_hidden_layers=1, vocab_size=64, max_position_embeddings=32))
+    for spec in ("gwt-adamw:match_rms=true", "gwt-adam-mini:match_rms=true", "gwt-adafactor:match_rms=true"):
+        name, opts = parse_optimizer_arg(spec)
+        opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
+        flags = {g["level"] > 0: g["match_rms"] for g in opt.param_groups}
+        assert flags[True] is True, spec
+    name, opts = parse_optimizer_arg("gwt-adamw")
+    opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
+    assert not any(g["match_rms"] for g in opt.param_groups)
