@@ -106,9 +106,9 @@ def test_impossible_numbers(tiny_argv, tmp_path, capsys, command, flag, value):
 
 
 def test_missing_data_file_fails_at_once_without_the_hub(tiny_model, tmp_path, capsys, no_hub):
-    # The default tokenizer (t5-base) is never looked for: the data is checked first.
-    assert main(["pretrain", "--model", tiny_model, "--data", str(tmp_path / "nope.txt"), "--out",
-                 str(tmp_path / "run"), "--device", "cpu"]) == 2
+    # A Hub tokenizer is never looked for: the data is checked first.
+    assert main(["pretrain", "--model", tiny_model, "--data", str(tmp_path / "nope.txt"), "--tokenizer", "t5-base",
+                 "--out", str(tmp_path / "run"), "--device", "cpu"]) == 2
     assert "nope.txt" in _error(capsys)
     assert no_hub == []
 
@@ -232,13 +232,13 @@ def test_report_on_an_empty_folder(tmp_path, capsys):
 # ------------------------------------------------------------------ offline Hub
 
 
-def test_local_text_with_the_default_tokenizer_offline_says_so_at_once(monkeypatch, tiny_model, corpus, tmp_path,
-                                                                       capsys, no_hub):
+def test_local_text_with_a_hub_tokenizer_offline_says_so_at_once(monkeypatch, tiny_model, corpus, tmp_path,
+                                                                   capsys, no_hub):
     from gwt_optim.toolkit import data
 
     monkeypatch.setattr(data.tokenizers, "_hub_reachable", lambda timeout=3.0: False)  # no network, HF_HUB_OFFLINE unset
-    assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--out", str(tmp_path / "run"),
-                 "--device", "cpu", "--no-progress"]) == 2
+    assert main(["pretrain", "--model", tiny_model, "--data", corpus, "--tokenizer", "t5-base", "--out",
+                 str(tmp_path / "run"), "--device", "cpu", "--no-progress"]) == 2
     # At once: the one look in the local cache, then the answer; the Hub client and its retries are never reached.
     assert no_hub == ["tokenizer t5-base"]
     line = _error(capsys)

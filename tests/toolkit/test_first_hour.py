@@ -187,3 +187,93 @@ def test_a_check_made_after_the_folder_is_made_removes_it(tiny_model, corpus, tm
                  "--batch-size", "6", "--micro-batch-size", "4", "--steps", "1", "--device", "cpu", "--no-progress",
                  "--out", str(kept)]) == 2
     assert kept.is_dir()  # a folder the user made stays
+
+
+# ----------------------------------------------------------------- a small local text file trains offline
+
+
+def _small_text(path: Path, lines: int = 60, *, blank_lines: bool = False) -> Path:
+    """A few KB of plain text, one sentence a line, as a user's notes are (no blank lines unless asked)."""
+    import random
+
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxes of milk".split()
+    rows = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "." for _ in range(lines)]
+    sep = "\n\n" if blank_lines else "\n"
+    path.write_text(sep.join(rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No connection can be made and none is tried: the Hub is never asked for a tokenizer."""
+    import socket
+
+    from gwt_optim.toolkit.data import tokenizers
+
+    def refused(self, address, *args):
+        raise AssertionError(f"a connection to {address} was tried")
+
+    def hub_tokenizer(spec):
+        raise AssertionError(f"the Hub was asked for tokenizer {spec!r}")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket.socket, "connect", refused)
+    monkeypatch.setattr(tokenizers, "_hub_tokenizer", hub_tokenizer)
+
+
+@pytest.mark.parametrize("blank_lines", [False, True], ids=["one-document", "paragraphs"])
+def test_a_few_kb_text_file_trains_offline_with_the_defaults(tmp_path, capsys, offline, blank_lines):
+    import json
+    import math
+
+    notes = _small_text(tmp_path / "notes.txt", blank_lines=blank_lines)
+    assert 2_000 < notes.stat().st_size < 8_000
+    out = tmp_path / "run"
+    # Only the length is cut short: data, tokenizer, model and sequence length are the defaults.
+    rc = main(["pretrain", "--data", str(notes), "--steps", "2", "--batch-size", "2", "--eval-every", "0",
+               "--device", "cpu", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isfinite(summary["val_loss"])
+    # The validation text, the file's last tenth, is shorter than one sequence: said once, and used whole.
+    assert "validating on them as one window" in err
+    assert json.loads((out / "config.json").read_text())["seq_len"] == 256
+
+
+def test_a_small_corpus_holds_out_the_end_of_its_text(tmp_path):
+    from gwt_optim.toolkit.data import load_texts
+
+    one = _small_text(tmp_path / "one.txt")
+    train, val = load_texts(str(one), "train"), load_texts(str(one), "validation")
+    assert len(train) == len(val) == 1
+    text = one.read_text().strip()
+    assert text.startswith(train[0]) and text.endswith(val[0])
+    assert 0.05 < len(val[0]) / len(text) < 0.2  # about the last 10%, cut at a line break
+    assert val[0][0].isupper() and train[0].endswith(".")
+    # Paragraphs, none of which the hash puts in validation: the last ones (a tenth of the text) are.
+    from gwt_optim.toolkit.data.sources import _in_validation
+
+    docs = [d for d in _small_text(tmp_path / "many.txt", 20, blank_lines=True).read_text().split("\n\n")]
+    docs = [d.strip() for d in docs if d.strip() and not _in_validation(d.strip())]
+    (tmp_path / "many.txt").write_text("\n\n".join(docs))
+    train, val = load_texts(str(tmp_path / "many.txt"), "train"), load_texts(str(tmp_path / "many.txt"), "validation")
+    assert train + val == docs and 1 <= len(val) < len(docs) // 4
+
+
+def test_a_file_too_small_for_one_sequence_says_the_fix_in_one_line(tmp_path, capsys, offline):
+    tiny = _small_text(tmp_path / "tiny.txt", lines=8)
+    assert main(["pretrain", "--data", str(tiny), "--steps", "1", "--device", "cpu", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 2
+    line = _error(capsys)
+    assert "training split holds" in line and "--seq-len" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_split_says_how_text_is_cut_into_documents(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    _small_text(tmp_path / "data" / "train.txt")
+    assert main(["pretrain", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]) == 2
+    line = _error(capsys)
+    assert "no validation documents" in line and "blank lines" in line

@@ -74,7 +74,7 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
                    f"or folder {default('data')}")
     g.add_argument("--tokenizer", default=S, help="'bpe' or 'bpe:VOCAB' (a byte-level BPE trained here on the "
                    "training split, offline), 't5-base' (the paper's), or a HF name or folder "
-                   + default("tokenizer", "bpe for demo and pysrc, t5-base for c4 and local data"))
+                   + default("tokenizer", "bpe, t5-base for c4"))
     g.add_argument("--vocab-size", type=int, default=S,
                    help=f"vocabulary of a BPE trained here {default('vocab_size')}")
     g.add_argument("--seq-len", type=int, default=S, help=f"tokens per packed sequence {default('seq_len')}")

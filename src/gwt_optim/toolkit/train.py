@@ -115,7 +115,7 @@ class TrainConfig:
     out: str = "runs/pretrain"
     model: str = "llama_9m"
     data: str = "demo"
-    tokenizer: str | None = None  # None: t5-base (C4, local) or the demo BPE
+    tokenizer: str | None = None  # None: t5-base for C4, else a BPE trained on the training split
     vocab_size: int = 4096  # for a BPE tokenizer trained here
     pretrained: bool = False  # load the weights of a local model directory
     optimizer: str = "adamw"  # "name" or "name:key=value:..."

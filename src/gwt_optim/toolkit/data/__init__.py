@@ -19,12 +19,18 @@ a path
     validation when a hash of its text falls in the first
     :data:`LOCAL_VALIDATION_PERCENT` percent -- fixed, and identical
     documents always land on the same side. Plain text is cut into documents
-    at blank lines.
+    at blank lines. A corpus so small that no document hashes into validation
+    holds out the last :data:`LOCAL_HOLDOUT_PERCENT` percent of its text
+    instead (whole documents, or the end of its only one, cut at a line break).
 
-Tokenizers (:func:`load_pretrain_tokenizer`): ``t5-base`` as in the paper, any Hugging
-Face tokenizer name or directory, or ``bpe[:VOCAB]`` -- a byte-level BPE
-trained with ``tokenizers`` on the *training* split only and cached
-(:func:`demo_tokenizer` is that for the demo corpus).
+Tokenizers (:func:`load_pretrain_tokenizer`): ``bpe[:VOCAB]`` -- a byte-level
+BPE trained with ``tokenizers`` on the *training* split only and cached, the
+default for everything but C4 (:func:`demo_tokenizer` is that for the demo
+corpus) -- ``t5-base`` as in the paper (C4's default), or any Hugging Face
+tokenizer name or directory.
+
+A validation split shorter than one sequence (a small file) is used whole, as
+one shorter window, with a note on stderr.
 
 Training batches (:class:`PackedBatches`, :class:`StreamingBatches`) are
 fixed-length windows of the concatenated token stream (documents separated by
@@ -49,6 +55,7 @@ from gwt_optim.toolkit.data.batching import (
 from gwt_optim.toolkit.data.cache import cache_dir
 from gwt_optim.toolkit.data.sources import (
     DEMO_VALIDATION_EVERY,
+    LOCAL_HOLDOUT_PERCENT,
     LOCAL_VALIDATION_PERCENT,
     SPLITS,
     DataUnavailable,
@@ -79,4 +86,5 @@ __all__ = [
     "cache_dir",
     "DEMO_VALIDATION_EVERY",
     "LOCAL_VALIDATION_PERCENT",
+    "LOCAL_HOLDOUT_PERCENT",
 ]

@@ -4,6 +4,7 @@ blocks, resumable training batches and validation windows."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -229,7 +230,19 @@ def build_data(
     else:
         train_tokens = tokenize_corpus(train_texts, tok, progress=progress)
         val_stream = tokenize_corpus(val_texts, tok, progress=progress)
-        validation = validation_windows(val_stream, seq_len, val_tokens)
+        if len(train_tokens) < seq_len:
+            raise ValueError(
+                f"--data {source}: its training split holds {len(train_tokens)} tokens, fewer than one sequence of "
+                f"--seq-len {seq_len}; pass --seq-len {max(2, len(train_tokens) // 4)} (or at most "
+                f"{len(train_tokens)}), or give more text"
+            )
+        if 2 <= len(val_stream) < seq_len:
+            # A small corpus: validate on all the validation text there is, as one shorter window.
+            print(f"note: the validation split of --data {source} holds {len(val_stream)} tokens, fewer than "
+                  f"--seq-len {seq_len}: validating on them as one window of {len(val_stream)}", file=sys.stderr)
+            validation = val_stream.long().view(1, -1)
+        else:
+            validation = validation_windows(val_stream, seq_len, val_tokens)
         train = PackedBatches(train_tokens, seq_len, seed=seed)
         info.update(train_tokens=int(len(train_tokens)), train_windows=train.windows)
     info["val_tokens"] = int(validation.numel())

@@ -21,10 +21,12 @@ __all__ = [
     "c4_documents",
     "DEMO_VALIDATION_EVERY",
     "LOCAL_VALIDATION_PERCENT",
+    "LOCAL_HOLDOUT_PERCENT",
 ]
 
 DEMO_VALIDATION_EVERY = 20
 LOCAL_VALIDATION_PERCENT = 5
+LOCAL_HOLDOUT_PERCENT = 10  # of a small corpus's text, when no document hashes into validation
 C4_DEFAULT_LIMIT = 10_000
 C4_SHUFFLE_BUFFER = 10_000
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -218,25 +220,63 @@ def _in_validation(text: str) -> bool:
     return zlib.crc32(text.encode("utf-8")) % 100 < LOCAL_VALIDATION_PERCENT
 
 
+def _cut_tail(text: str, keep: int) -> int:
+    """Where to cut ``text`` so that about its last ``keep`` characters follow: at the
+    last line break before that point, else the last space, else right there."""
+    at = len(text) - keep
+    for sep in ("\n", " "):
+        cut = text.rfind(sep, 0, at + 1)
+        if cut >= len(text) // 2:  # not so early that validation would take most of the text
+            return cut
+    return max(1, at)
+
+
+def _held_out_tail(docs: list[str]) -> tuple[list[str], list[str]]:
+    """(train, validation) of a corpus too small for the hash split to put any
+    document in validation: the last :data:`LOCAL_HOLDOUT_PERCENT` percent of its
+    text (whole documents from the end, or the end of its only document, cut at a
+    line break) is validation, the rest training. Fixed by the content alone."""
+    total = sum(len(d) for d in docs)
+    want = max(1, total * LOCAL_HOLDOUT_PERCENT // 100)
+    if len(docs) > 1:
+        held, n = 0, 0
+        while n < len(docs) - 1 and held < want:
+            n += 1
+            held += len(docs[-n])
+        return docs[:-n], docs[-n:]
+    text = docs[0]
+    cut = _cut_tail(text, want)
+    head, tail = text[:cut].strip(), text[cut:].strip()
+    return ([head], [tail]) if head and tail else (docs, [])
+
+
 def _local_texts(root: Path, split: str, limit: int | None) -> list[str]:
     files = _local_files(root)
     named = {f: _file_split(f, root) for f in files}
     explicit = any(s is not None for s in named.values())
     # Files that name no split train, unless the folder names none at all.
     mine = [f for f in files if not explicit or (named[f] or "train") == split]
-    docs: list[str] = []
+    read_all: list[str] = []
     empty = 0
     for f in mine:
         read = _read_documents(f)
         empty += not read
-        docs.extend(read if explicit else (d for d in read if _in_validation(d) == (split == "validation")))
+        read_all.extend(read)
     if mine and empty == len(mine):
         which = mine[0] if len(mine) == 1 else f"{root} ({len(mine)} {split} files)"
         raise ValueError(f"--data {which}: empty, no text in it")
+    if explicit:
+        docs = read_all
+    else:
+        docs = [d for d in read_all if _in_validation(d) == (split == "validation")]
+        if read_all and not any(_in_validation(d) for d in read_all):  # a small corpus: hold out its end instead
+            docs = _held_out_tail(read_all)[split == "validation"]
     if not docs:
         raise ValueError(
-            f"--data {root}: no {split} documents. Name files train*/valid* to split by file, or give "
-            f"more documents (about {LOCAL_VALIDATION_PERCENT}% go to validation by hash)"
+            f"--data {root}: no {split} documents (a .txt file is cut into documents at blank lines, a .jsonl "
+            "file holds one per line). Name files train*/valid* to split by file, or give more text "
+            f"(about {LOCAL_VALIDATION_PERCENT}% of the documents go to validation by hash; when none does, the "
+            f"last {LOCAL_HOLDOUT_PERCENT}% of the text)"
         )
     return docs[:limit] if limit is not None else docs
 

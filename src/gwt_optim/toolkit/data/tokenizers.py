@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gwt_optim.toolkit.data.cache import _digest, cache_dir
-from gwt_optim.toolkit.data.sources import OWN_BPE, DataUnavailable, _hub_offline, load_texts
+from gwt_optim.toolkit.data.sources import DataUnavailable, _hub_offline, load_texts
 
 __all__ = ["BPE_SPECIAL_TOKENS", "bpe_tokenizer", "demo_tokenizer", "load_pretrain_tokenizer"]
 
@@ -106,17 +106,18 @@ def _hub_tokenizer(spec: str):
 
 
 def _default_tokenizer(data: str) -> str:
-    """The paper's t5-base for C4 and local text, a small BPE of their own for
-    the offline corpora (the demo, ``pysrc``, ``pysrc-small``)."""
-    return "bpe" if data in OWN_BPE else "t5-base"
+    """The paper's t5-base for C4; a small BPE of their own, trained here and
+    offline, for the offline corpora (the demo, ``pysrc``, ``pysrc-small``) and
+    local text."""
+    return "t5-base" if data == "c4" else "bpe"
 
 
 def load_pretrain_tokenizer(spec: str | None, data: str, *, vocab_size: int = 4096, seed: int = 0,
                    train_texts: Sequence[str] | None = None):
     """The tokenizer named by ``spec`` for the data source ``data``.
 
-    ``None``/``"auto"`` -> t5-base (the paper's) for C4 and local text, the
-    demo BPE for ``demo``. ``"bpe"`` or ``"bpe:8192"`` -> a byte-level BPE
+    ``None``/``"auto"`` -> t5-base (the paper's) for C4, a BPE trained on the
+    training split for everything else (the demo BPE for ``demo``). ``"bpe"`` or ``"bpe:8192"`` -> a byte-level BPE
     trained on ``data``'s training split. Anything else is a Hugging Face
     tokenizer name or local directory.
     """
