@@ -277,3 +277,37 @@ def test_a_missing_split_says_how_text_is_cut_into_documents(tmp_path, capsys):
     assert main(["pretrain", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]) == 2
     line = _error(capsys)
     assert "no validation documents" in line and "blank lines" in line
+
+
+# ----------------------------------------------------------------- no third-party noise on import
+
+# What transformers', peft's and bitsandbytes' imports print with the packages the set-up installs.
+_NOISE = ("Failed to load", "_C_cutlass", "_pytree", "is an Enum subclass", "register_constant",
+          "kernels-community", "publisher trust", "gemm_4bit")
+
+
+@pytest.mark.parametrize("hub_offline", ["0", "1"])
+def test_importing_the_toolkits_hf_path_prints_no_third_party_noise(hub_offline):
+    import os
+    import subprocess
+    import sys
+
+    from _waiting import CAP_S
+
+    code = "\n".join([
+        "import importlib.util",
+        "import gwt_optim.toolkit.models, gwt_optim.toolkit.data, gwt_optim.toolkit.finetune.tiny",
+        "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer",
+        "LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,",
+        "                             num_attention_heads=2, vocab_size=64))",
+        "for name in ('peft', 'bitsandbytes'):  # finetune's LoRA and 8-bit Adam",
+        "    if importlib.util.find_spec(name):",
+        "        __import__(name)",
+        "print('imported')",
+    ])
+    env = {**os.environ, "HF_HUB_OFFLINE": hub_offline, "PYTHONWARNINGS": ""}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CAP_S, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "imported"
+    printed = done.stdout + done.stderr
+    assert not [n for n in _NOISE if n in printed], printed

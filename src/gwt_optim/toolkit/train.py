@@ -646,20 +646,6 @@ class _StopOnSignal:
         self._previous.clear()
 
 
-def _quiet_import_noise() -> None:
-    """transformers imports torchao (for its quantizers), which logs missing
-    CUDA kernels on CPU machines and trips torch's pytree deprecation warnings,
-    and bitsandbytes logs on import that its CPU 4-bit kernel (which 8-bit Adam
-    never uses) could not be fetched; since transformers 5.25 installs the
-    ``kernels`` package, that fetch also logs, offline, that it skipped the
-    kernel's publisher check: noise for a training run, so only errors from
-    those loggers are shown."""
-    import logging
-
-    for name in ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def train(cfg: TrainConfig, callbacks: Iterable[Callback] = (), *, must_resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
@@ -708,7 +694,6 @@ def _remove_if_unused(made: list[Path]) -> None:
 def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack, *,
            must_resume: bool = False) -> dict[str, Any]:
     # _setup builds a _Run; _Loop drives _train_step, _validate and _Checkpoints over it.
-    _quiet_import_noise()
     cfg.validate()
     callbacks = list(callbacks)
     return _Loop(_setup(cfg, held, must_resume=must_resume), callbacks).run()
