@@ -13,38 +13,9 @@
 #   EXTRA="--budget 512 --tune-steps 2 --data tests/data/finetune/lm_text --model llama_9m --vocab-size 320
 #          --seq-len 32 --tokens-per-step 128 --val-tokens 256 --evals 2" bash benchmarks/budget_cpu.sh /tmp/b
 set -uo pipefail
-OUT=$(realpath -m "${1:?usage: budget_cpu.sh OUT [COMMIT]}")
-COMMIT=${2:-}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
-PY=$PYTHON
-if [ -n "$COMMIT" ] && [ "${GWT_BUDGET_SNAPSHOT:-}" != "$COMMIT" ]; then
-  # bash reads a script as it runs it: the snapshot's own copy of this file runs the queue, not the checkout's
-  TREE=$OUT.tree
-  rm -rf "$TREE" && mkdir -p "$TREE" && git -C "$ROOT" archive "$COMMIT" | tar -x -C "$TREE" || exit 2
-  GWT_BUDGET_SNAPSHOT=$COMMIT PYTHONPATH=$TREE/src exec bash "$TREE/benchmarks/budget_cpu.sh" "$OUT" "$COMMIT"
-fi
-cd "$ROOT"
-# the snapshot has no .git: each run's environment.json records COMMIT through this (metrics.git_commit)
-[ -n "$COMMIT" ] && export GWT_OPTIM_COMMIT=$COMMIT
-# The runs this study finished on earlier machines (committed by `run_records.py save`): a run finished here
-# wins, any other is loaded and reused by --resume where its configuration is the one asked for.
-RECORDS=docs/results/budget-cpu/records
-[ -d "$RECORDS" ] && { "$PY" benchmarks/run_records.py load "$RECORDS" "$OUT" || exit 2; }
-stopped=0
-run() {  # one quality.py call; a signal to this script stops it (its runs save) and the queue
-  nice -n 19 "$PY" benchmarks/quality.py --budget 16M --beta2s 0.999 --beta2 0.999 --report-seeds 1,2,3,4 \
-    --extend-edges 2 --jobs 2 --threads 1 --resume --out "$OUT" --plot '' ${COMMIT:+--commit "$COMMIT"} "$@" ${EXTRA:-} &
-  local pid=$! rc
-  trap 'stopped=1; kill -TERM "$pid" 2>/dev/null' INT TERM
-  wait "$pid"; rc=$?
-  while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # a trapped signal ends the first wait early
-  trap - INT TERM
-  if [ "$stopped" = 1 ] || [ "$rc" -gt 1 ]; then  # 0: done, 1: done with a gate failing or runs missing
-    echo "budget_cpu.sh: stopped (exit $rc); the same command goes on from here"
-    exit $(( rc > 1 ? rc : 1 ))
-  fi
-}
+SCRIPT=benchmarks/budget_cpu.sh RECORDS=docs/results/budget-cpu/records
+# shellcheck source=benchmarks/_queue.sh
+source "$(dirname "$0")/_queue.sh" "$@"
 GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-3)
 
 # One call for every contender (it was stage 2, then stage 3, until the first machine's runs were lost):
@@ -64,4 +35,4 @@ GRIDS=(--grid adamw=5e-4,1e-3,2e-3,4e-3 --grid gwt-adamw:level=2=1.5e-3,3e-3,6e-
 ALL=(--contenders adamw,gwt-adamw:level=2,muon,gwt-muon:level=2,gwt-adamw:level=2:detail_clip=none "${GRIDS[@]}"
   --grid muon=3e-3 --grid gwt-muon:level=2=1e-2 --grid gwt-adamw:level=2:detail_clip=none=5e-4,1e-3,2e-3
   --weight-decays 0,0.1 --match-budgets 0.75 --prior-best adamw=2e-3 --prior-best gwt-adamw:level=2=6e-3,0.1)
-run "${ALL[@]}"
+run --report-seeds 1,2,3,4 --extend-edges 2 "${ALL[@]}"
