@@ -397,3 +397,31 @@ def test_triton_backend_in_the_interpreter():
     )
     assert proc.returncode == 0, f"Triton contract cases failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# ------------------------------------------------- torch's error texts --- #
+
+
+_ERRORS = {  # (ours, torch's, the text both raise)
+    "adamw-betas": (GWTAdamW, torch.optim.AdamW, dict(betas=(0.9, torch.tensor(0.99))),
+                    "betas must be either both floats or both Tensors"),
+    "adam-mini-betas": (GWTAdamMini, torch.optim.Adam, dict(betas=(torch.tensor(0.9), 0.99)),
+                        "betas must be either both floats or both Tensors"),
+    "muon-adjust-lr": (GWTMuon, torch.optim.Muon, dict(adjust_lr_fn="arbitrary"),
+                       "Adjust learning rate function arbitrary is not supported"),
+    "adafactor-eps1": (GWTAdafactor, torch.optim.Adafactor, dict(eps=(-1e-30, 1e-3)),
+                       "epsilon1 should be >= 0 but is: -1e-30"),
+    "adafactor-d": (GWTAdafactor, torch.optim.Adafactor, dict(d=0.0), "Clipping threshold d should be >= 1 but is: 0.0"),
+    "adafactor-beta2-decay": (GWTAdafactor, torch.optim.Adafactor, dict(beta2_decay=0.8),
+                              "beta2_decay should be <= 0 but is: 0.8"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ERRORS))
+def test_bad_values_raise_torchs_value_error_text(name):
+    """The texts torch's own optimizers raise for the same values (its generic test_errors matches them)."""
+    ours, theirs, bad, message = _ERRORS[name]
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    for cls in (theirs, ours):
+        with pytest.raises(ValueError, match=pattern):
+            cls([torch.nn.Parameter(torch.rand(2, 3))], **bad)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 __all__ = ["transform_defaults", "check_adam_hyperparameters"]
 
 
@@ -31,6 +33,8 @@ def check_adam_hyperparameters(g: dict[str, Any]) -> None:
     betas = g["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2))")
+    if len({isinstance(b, Tensor) for b in betas}) > 1:
+        raise ValueError("betas must be either both floats or both Tensors")
     for i, b in enumerate(betas):
         b = b.item() if hasattr(b, "item") else b  # a 0-d tensor
         if not 0.0 <= b < 1.0:

@@ -116,14 +116,14 @@ class GWTAdafactor(GWTOptimizer):
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not g["beta2_decay"] <= 0.0:
-            raise ValueError(f"Invalid beta2_decay: {g['beta2_decay']} (must be <= 0)")
+            raise ValueError(f"beta2_decay should be <= 0 but is: {g['beta2_decay']}")
         eps1, eps2 = g["eps"]
         if eps1 is not None and not eps1 >= 0.0:
-            raise ValueError(f"Invalid epsilon1: {eps1} (must be >= 0 or None)")
+            raise ValueError(f"epsilon1 should be >= 0 but is: {eps1} (or None)")
         if not eps2 >= 0.0:
-            raise ValueError(f"Invalid epsilon2: {eps2} (must be >= 0)")
+            raise ValueError(f"epsilon2 should be >= 0 but is: {eps2}")
         if not g["d"] >= 1.0:
-            raise ValueError(f"Invalid clipping threshold d: {g['d']} (must be >= 1)")
+            raise ValueError(f"Clipping threshold d should be >= 1 but is: {g['d']}")
         if g["beta1"] is not None and not 0.0 <= g["beta1"] < 1.0:
             raise ValueError(f"Invalid beta1: {g['beta1']} (must be in [0, 1), or None for no first moment)")
         if g["detail_norm"] not in DETAIL_NORMS:

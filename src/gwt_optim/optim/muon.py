@@ -140,7 +140,8 @@ class GWTMuon(GWTOptimizer):
         if g["ns_dtype"] not in NS_DTYPES:
             raise ValueError(f"Invalid ns_dtype: {g['ns_dtype']!r} (one of {sorted(NS_DTYPES)})")
         if g["adjust_lr_fn"] not in _ADJUST_LR:
-            raise ValueError(f"Invalid adjust_lr_fn: {g['adjust_lr_fn']!r} (None, 'original' or 'match_rms_adamw')")
+            raise ValueError(f"Adjust learning rate function {g['adjust_lr_fn']} is not supported "
+                             "(None, 'original' or 'match_rms_adamw')")
         if len(g["ns_coefficients"]) != 3:
             raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {g['ns_coefficients']!r}")
         if not 0 < g["ns_steps"] < 100:
