@@ -311,3 +311,52 @@ def test_importing_the_toolkits_hf_path_prints_no_third_party_noise(hub_offline)
     assert done.stdout.strip() == "imported"
     printed = done.stdout + done.stderr
     assert not [n for n in _NOISE if n in printed], printed
+
+
+# ----------------------------------------------------------------- the memory headline and table
+
+
+def test_the_readmes_memory_headline_names_its_dtypes_and_the_default(capsys):
+    import torch
+
+    from gwt_optim import GWTAdamW
+    from gwt_optim.memory import estimate
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    headline = " ".join(readme[readme.index("**At level 2"):].split("**")[1].split())
+
+    def gb(name: str, state: str) -> str:
+        return f"{estimate('7b', name, dtype='bf16', state_dtype=state).total_bytes / 1e9:.1f} GB"
+
+    assert "bf16 weights" in headline
+    assert f"AdamW's {gb('adamw', 'bf16')} to {gb('gwt-adamw', 'bf16')} with bf16 moments" in headline
+    assert f"or {gb('gwt-adamw', 'fp32')} with the default fp32" in headline
+    # the default it names: GWT-AdamW keeps fp32 moments for bf16 weights
+    w = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.bfloat16))
+    w.grad = torch.randn_like(w)
+    opt = GWTAdamW([w], lr=1e-3)
+    opt.step()
+    moments = [t for t in opt.state[w].values() if torch.is_tensor(t) and t.dim() > 0]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
+    # and the command that prints that figure
+    assert main(["memory", "--models", "7b", "--optimizers", "adamw,gwt-adamw", "--state-dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    fp32 = estimate("7b", "gwt-adamw", dtype="bf16", state_dtype="fp32").total_bytes / 1e9
+    assert "bf16 weights, fp32 states" in out and f"| gwt-adamw (l=2) | {fp32:.2f} (" in out
+
+
+def test_the_memory_table_names_a_custom_shape_by_its_file(tmp_path, capsys):
+    import json
+
+    shape = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 1000}
+    (tmp_path / "my_shape.json").write_text(json.dumps(shape))
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text(json.dumps(shape))
+    models = f"7b,{tmp_path / 'my_shape.json'},{tmp_path / 'my-model' / 'config.json'}"
+    for extra in ([], ["--peak"]):
+        assert main(["memory", "--models", models, "--optimizers", "adamw,gwt-adamw", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "MY_SHAPE" not in out and "CONFIG.JSON" not in out and ".json" not in out.split("\n", 1)[1]
+        assert "my_shape" in out and "my-model" in out
+        assert "fp32 state | my_shape adamw, bf16 state |" in out if extra else "| optimizer | 7B | my_shape | my-model |" in out

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from gwt_optim.memory.estimate import ESTIMATORS, MemoryEstimate, estimate, estimator_key, training_estimate
 
-__all__ = ["memory_table", "training_table", "register"]
+__all__ = ["memory_table", "training_table", "column_name", "register"]
 
 
 TABLE_MODELS = ("60m", "130m", "350m", "1b", "3b", "7b")
@@ -37,6 +37,25 @@ PAPER_RANKS = {"60m": 128, "130m": 256, "350m": 256, "1b": 512, "3b": 512, "7b":
 _GB = 1e9
 
 
+def column_name(model: str) -> str:
+    """A table column's name for ``--models`` entry ``model``: a packaged size in
+    capitals (``7B``), a JSON file by its name without ``.json`` (``my_shape``),
+    or by its folder's name for a model folder's ``config.json``."""
+    path = Path(model)
+    if path.is_file() or path.suffix.lower() == ".json" or len(path.parts) > 1:
+        if path.stem.lower() == "config" and path.parent.name:
+            return path.parent.name
+        return path.stem or model
+    return model.removeprefix("llama_").upper()
+
+
+def _state_dtype(name: str, dtype: str, state_dtype: str | None) -> str:
+    """The state dtype a row uses: ``state_dtype`` (int8 for GWT-AdamW only), else ``dtype``."""
+    if state_dtype and (state_dtype != "int8" or estimator_key(name) == "gwt-adamw"):
+        return state_dtype
+    return dtype
+
+
 def _label(e: MemoryEstimate) -> str:
     if e.level is not None:
         return f"{e.optimizer} (l={e.level})"
@@ -52,28 +71,35 @@ def memory_table(
     level: int = 2,
     rank: int | None = None,
     dtype: str = "bf16",
+    state_dtype: str | None = None,
     recipe: str = "paper",
 ) -> str:
     """Markdown tables: weights + state per optimizer and model, the saving
-    against AdamW, and where the paper's GWT figures come from."""
+    against AdamW, and where the paper's GWT figures come from. States are
+    ``dtype`` (the papers' convention), or ``state_dtype`` for every optimizer."""
     models, optimizers = list(models), list(optimizers)
     rows: dict[str, list[str]] = {}
     base: dict[str, MemoryEstimate] = {}
     for m in models:
         r = rank if rank is not None else PAPER_RANKS.get(m.lower())
-        base[m] = estimate(m, "adamw", dtype=dtype, recipe=recipe)
+        base[m] = estimate(m, "adamw", dtype=dtype, state_dtype=_state_dtype("adamw", dtype, state_dtype),
+                           recipe=recipe)
         for name in optimizers:
-            e = estimate(m, name, level=level, rank=r, dtype=dtype, recipe=recipe)
+            e = estimate(m, name, level=level, rank=r, dtype=dtype, state_dtype=_state_dtype(name, dtype, state_dtype),
+                         recipe=recipe)
             cell = f"{e.total_bytes / _GB:.2f}"
             if name != "adamw":
                 cell += f" ({-100 * e.saving(base[m]):+.0f}%)"
             rows.setdefault(_label(e), []).append(cell)
-    head = "| optimizer | " + " | ".join(m.upper() for m in models) + " |"
+    head = "| optimizer | " + " | ".join(column_name(m) for m in models) + " |"
     rule = "|---|" + "---:|" * len(models)
+    states = f"{dtype} weights and states" if not state_dtype or state_dtype == dtype else (
+        f"{dtype} weights, {state_dtype} states" + (" (GWT-AdamW; the others' " + dtype + ")"
+                                                      if state_dtype == "int8" else ""))
     lines = [
-        f"Weights + optimizer state, GB (10^9 bytes), {dtype} weights and states, "
+        f"Weights + optimizer state, GB (10^9 bytes), {states}, "
         f"recipe {recipe!r}; (change against AdamW). Ranks: "
-        + ", ".join(f"{m.upper()} r={rank or PAPER_RANKS.get(m.lower(), 'd/4')}" for m in models)
+        + ", ".join(f"{column_name(m)} r={rank or PAPER_RANKS.get(m.lower(), 'd/4')}" for m in models)
         + ".",
         "",
         head,
@@ -94,11 +120,12 @@ def memory_table(
     ]
     for m in models:
         for lv in (1, 2, 3):
-            g = estimate(m, "gwt-adamw", level=lv, dtype=dtype, recipe=recipe)
+            g = estimate(m, "gwt-adamw", level=lv, dtype=dtype,
+                         state_dtype=_state_dtype("gwt-adamw", dtype, state_dtype), recipe=recipe)
             a = base[m]
             t_saving = 1 - g.transformed_state_bytes / a.transformed_state_bytes
             lines.append(
-                f"| {m.upper()} | {lv} | {-100 * t_saving:.1f}% | {-100 * g.state_saving(a):.1f}% | "
+                f"| {column_name(m)} | {lv} | {-100 * t_saving:.1f}% | {-100 * g.state_saving(a):.1f}% | "
                 f"{-100 * g.saving(a):.1f}% |"
             )
     return "\n".join(lines)
@@ -129,7 +156,7 @@ def training_table(
                 m, key, level=level, dtype=dtype, state_dtype=sd, batch_size=batch_size, seq_len=seq_len,
                 gradient_checkpointing=gradient_checkpointing, step_in_backward=step_in_backward, recipe=recipe,
             )
-            label = f"{m.upper()} {key}" + (f" (l={level})" if ESTIMATORS[key].uses_level else "") + f", {sd} state"
+            label = f"{column_name(m)} {key}" + (f" (l={level})" if ESTIMATORS[key].uses_level else "") + f", {sd} state"
             cols.append((label, e.parts()))
     mode = ("step in backward" if step_in_backward else "normal step") + (
         ", gradient checkpointing" if gradient_checkpointing else "")
@@ -155,7 +182,8 @@ def _run(args: argparse.Namespace) -> int:
             step_in_backward=args.step_in_backward, recipe=args.recipe,
         )
     else:
-        text = memory_table(models, optimizers, level=args.level, rank=args.rank, dtype=args.dtype, recipe=args.recipe)
+        text = memory_table(models, optimizers, level=args.level, rank=args.rank, dtype=args.dtype,
+                            state_dtype=args.state_dtype, recipe=args.recipe)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -186,11 +214,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=None, help="GaLore/APOLLO rank (default: the papers' rank per size)")
     p.add_argument("--dtype", default="bf16", help="weight and state dtype (default bf16, the papers' convention)")
     p.add_argument("--recipe", default="paper", choices=("paper", "hidden"), help="which weights get the transform")
+    p.add_argument("--state-dtype", default=None,
+                   help="optimizer-state dtype: the table's default is --dtype for every optimizer (the papers' "
+                   "convention); fp32 gives GWT's default moments (int8: GWT-AdamW's only). With --peak: fp32 for "
+                   "GWT, the weights' for others, unless given")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     g = p.add_argument_group("training peak (--peak): weights, state, gradients, activations, step temporaries")
     g.add_argument("--peak", action="store_true", help="print the peak of a training step by part instead")
-    g.add_argument("--state-dtype", default=None,
-                   help="optimizer-state dtype (default: fp32 for GWT, the weights' for others; int8 for gwt-adamw)")
     g.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     g.add_argument("--checkpointing", action="store_true", help="with gradient checkpointing")
