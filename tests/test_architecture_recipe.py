@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from gwt_optim.optim import functional as F
 from gwt_optim.optim._base import GWTOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +50,20 @@ class GWTSGD(GWTOptimizer):
     def _init_family_state(self, group, state, approx, moment_dtype, transformed):
         state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
-    def _approx_update(self, group, state, A, step, transformed):
+    # The recipe puts the halves in functional.py (gwt_sgd_moments, gwt_sgd_apply); a test
+    # cannot edit it, so the toy states them here from functional's shared pieces.
+    def _moments(self, group, state, W, G, step):
+        G, A, coeffs, level = F.start(W, G, group["level"], self._impl, group["wavelet"])
         B = state["momentum_buffer"]
         b = B.to(A.dtype).mul_(group["momentum"]).add_(A)  # torch SGD's order: bit-equal at level 0
         if b is not B:  # low-precision buffer: update in the compute dtype, store once
             B.copy_(b)
-        return b, None
+        return F.Moments(G, A, b, None, coeffs, level)
+
+    def _apply(self, group, W, m, r, step):
+        lr = group["lr"]
+        F.finish(W, m, r, lr=lr, weight_decay=group["weight_decay"], step_size=lr, alpha=group["scale"],
+                 detail_clip=group["detail_clip"])
 
 
 # ----------------------------------------------------------------------------- step 4: the registry

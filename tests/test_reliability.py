@@ -533,25 +533,23 @@ def test_an_untagged_state_dict_of_another_family_is_refused():
 # ------------------------------------------------------------------ hooks --- #
 
 
-class _Recording(GWTAdamW):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.seen = []
+@pytest.mark.parametrize("family", ["GWTAdamW", "GWTMuon", "GWTAdamMini", "GWTAdafactor"])
+def test_the_eager_step_is_the_functional_halves(family, monkeypatch):
+    """An eager step runs the family's functional.gwt_*_moments and
+    gwt_*_apply, once per parameter, and nothing else of the update."""
+    from gwt_optim.optim import functional as F
 
-    def _step_factor(self, ps):
-        self.seen.append(ps.full_param)
-        return super()._step_factor(ps)
-
-
-@pytest.mark.parametrize("path", ["native", "eager"])
-def test_step_factor_sees_the_parameter_on_every_path(path):
-    if path == "native":
-        _native_or_skip()
-    W, b = _param((8, 32)), _param((32,))
-    opt = _Recording([W, b], **PATHS[path])
-    W.grad, b.grad = _grad((8, 32), 0), _grad((32,), 1)
+    name = {"GWTAdamW": "adamw", "GWTMuon": "muon", "GWTAdamMini": "adam_mini", "GWTAdafactor": "adafactor"}[family]
+    calls = []
+    for half in ("moments", "apply"):
+        real = getattr(F, f"gwt_{name}_{half}")
+        monkeypatch.setattr(F, f"gwt_{name}_{half}",
+                            lambda *a, _real=real, _half=half, **k: calls.append((_half, id(a[0]))) or _real(*a, **k))
+    W = _param((8, 32))
+    opt = FAMILIES[family]([W], **({"compile": False} if family == "GWTAdamW" else {}))
+    W.grad = _grad((8, 32), 0)
     opt.step()
-    assert sorted(map(id, opt.seen)) == sorted([id(W), id(b)])
+    assert calls == [("moments", id(W)), ("apply", id(W))]
 
 
 def test_families_use_the_hooks_not_the_private_phase():

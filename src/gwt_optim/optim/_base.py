@@ -87,7 +87,9 @@ from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_a
                                       reduce_limiter_norms)
 from gwt_optim.optim._saved import check_family, check_saved_state, eager_state_problem
 from gwt_optim.optim._stepper import ParamStep, StepBatch, Stepper, run_unplanned
-from gwt_optim.optim.functional import apply_update, direction, haar_approx, limiter_ratio
+from gwt_optim.optim._family import group_lr
+from gwt_optim.optim._saved import approx_shape
+from gwt_optim.optim.functional import Moments, adam_step_factor, limiter_ratio
 
 __all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "Route", "PATHS", "IMPLEMENTATIONS"]
 
@@ -177,11 +179,11 @@ def _make_untraced() -> None:
 class GWTOptimizer(Optimizer):
     """Base class of the GWT optimizers. See the module docstring for the step.
 
-    Subclasses implement :meth:`_init_family_state`, :meth:`_approx_update`
-    and :meth:`_step_factor`, and may override :meth:`_direction`,
+    Subclasses implement :meth:`_init_family_state` and the two halves of
+    their eager step, :meth:`_moments` and :meth:`_apply` (calls of their
+    ``functional.gwt_*_moments`` and ``gwt_*_apply``), and may override
     :meth:`_validate_family` and :meth:`_validate_param`; a family with
-    fused kernels names them in :attr:`_KERNELS`. Hooks that need the
-    parameter receive its :class:`ParamStep`.
+    fused kernels names them in :attr:`_KERNELS`.
 
     ``compile`` chooses fused kernels where a family has them: ``None`` (auto:
     where they can be built, else the eager path with one warning), ``True``
@@ -361,33 +363,15 @@ class GWTOptimizer(Optimizer):
         shaped like ``approx`` (a tensor in the compute dtype)."""
         raise NotImplementedError
 
-    def _approx_update(
-        self, group: dict, state: dict, A: Tensor, step: int, transformed: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """Update the state with :math:`A_l` and return ``(U, den)``.
-
-        ``A`` is in the compute dtype (>= fp32); ``U`` must have its shape and
-        ``den`` must broadcast against it (``None`` means no normalization of
-        the details). Zero entries of ``den`` drop their details instead of
-        dividing by zero.
-        """
+    def _moments(self, group: dict, state: dict, W: Tensor, G: Tensor, step: int) -> Moments:
+        """The first half of the family's eager step: its
+        ``functional.gwt_*_moments`` on the group's options (``W`` and the
+        state local, ``G`` in the compute dtype, ``step`` counted from 1)."""
         raise NotImplementedError
 
-    def _step_factor(self, ps: ParamStep) -> float:
-        """The multiplier :math:`c_t` on ``lr`` (Adam: bias correction) for
-        this parameter's step; ``ps.param`` is the weight before the update.
-        For a :class:`StepBatch` it is evaluated once, on its first ParamStep:
-        a family with batched fused kernels must not make it depend on more
-        than the group and the step count."""
-        return 1.0
-
-    def _direction(self, ps: ParamStep, r: Tensor | float) -> Tensor:
-        """The full-size direction :math:`\\Delta` of an eager step, from the
-        approximation update, the denominators and the limiter's ``r``
-        (:func:`~gwt_optim.optim.functional.direction`; GWT-Muon replaces it)."""
-        scale = ps.group["scale"] if ps.transformed else 1.0
-        clip = ps.group["detail_clip"] if ps.transformed else None
-        return direction(ps.grad, ps.A, ps.U, ps.den, r, scale, ps.level, clip, ps.coeffs, ps.group["match_rms"])
+    def _apply(self, group: dict, W: Tensor, m: Moments, r: Tensor | float, step: int) -> None:
+        """The second half: its ``functional.gwt_*_apply`` with the limiter's ``r``."""
+        raise NotImplementedError
 
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
@@ -644,7 +628,7 @@ class GWTOptimizer(Optimizer):
            wins.
 
         The state is checked with :func:`~gwt_optim.optim._fused.state_problem`
-        before a backend sees it; fused steps skip :meth:`_direction`.
+        before a backend sees it.
         """
         w, g = local(p), local(grad)
         transformed = p.ndim >= 2
@@ -733,15 +717,6 @@ class GWTOptimizer(Optimizer):
         G, level, transformed, fused = route.grad, route.level, route.transformed, route.backend
         cdt = self._compute_dtype(w)
 
-        coeffs = A = None
-        if route.path == "plain":
-            A = G
-        elif route.path == "haar":
-            A = haar_approx(G, level)
-        elif route.path == "reference":
-            coeffs = wavelets.wavedec(G, level, group["wavelet"], dim=-1)
-            A = coeffs.approx
-
         batched = route.path == "batched"
         if finite is None and not batched:
             # Batched kernels check the gradient themselves, before they change anything.
@@ -749,9 +724,9 @@ class GWTOptimizer(Optimizer):
         new = "step" not in state
         if new:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            # The fused kernels compute A themselves; the state only needs its shape.
-            approx = A if A is not None else G.new_empty(
-                (*G.shape[:-1], wavelets.approx_length(G.shape[-1], level)), dtype=cdt)
+            # The state only needs A_l's shape (an eager level-0 step: the gradient's own layout).
+            approx = G if level == 0 and fused is None else G.new_empty(
+                approx_shape(tuple(G.shape), level, group["wavelet"]), dtype=cdt)
             self._init_family_state(group, state, approx, self._moment_dtype(group, cdt), transformed)
             if self._limiter_enabled(group, transformed):
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
@@ -766,7 +741,7 @@ class GWTOptimizer(Optimizer):
             if fused is not None:
                 problem = _fused.state_problem(w, G, lstate, level, md)
             else:
-                problem = eager_state_problem(self, group, lstate, A, md, transformed)
+                problem = eager_state_problem(self, group, lstate, G, level, md, transformed)
             if problem is not None:
                 raise ValueError(f"{self._family}: {self._describe(p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
@@ -776,9 +751,9 @@ class GWTOptimizer(Optimizer):
             self._record_nonfinite(p)
             return None
 
+        ps = ParamStep(w, p, G, lstate, group, transformed, level, fused=fused, step=step)
+        ps.limited = self._limiter_enabled(group, transformed)
         if fused is not None:
-            ps = ParamStep(w, p, G, lstate, group, transformed, level, None, None, None, fused=fused, step=step)
-            ps.limited = self._limiter_enabled(group, transformed)
             if batched:
                 ps.batched = True  # phase 1, limiter and phase 2 run in the stepper (its plan, or run_unplanned)
                 return ps
@@ -786,11 +761,10 @@ class GWTOptimizer(Optimizer):
             if ps.limited:
                 ps.norm_sq = norm_sq
             return ps
-        U, den = self._approx_update(group, lstate, A, step, transformed)
-        ps = ParamStep(w, p, G, lstate, group, transformed, level, A, U, den, coeffs, step=step)
-        if self._limiter_enabled(group, transformed):
-            ps.limited = True
-            ps.norm_sq = U.square().sum()
+        # The family's first half (functional.gwt_*_moments); its second half is in _phase2.
+        ps.carry = self._moments(group, lstate, w, G, step)
+        if ps.limited:
+            ps.norm_sq = ps.carry.norm_sq()
         return ps
 
     def _limit(self, ps: ParamStep) -> Tensor | float:
@@ -803,16 +777,14 @@ class GWTOptimizer(Optimizer):
     def _phase2(self, ps: ParamStep) -> None:
         group = ps.group
         r = self._limit(ps)
-        w = ps.param
-        lr = group["lr"]
-        lr = lr.item() if isinstance(lr, Tensor) else lr
-        step_size = lr * self._step_factor(ps)
-        if ps.fused is not None:
-            scale = group["scale"] if ps.transformed else 1.0
-            ps.fused.phase2(w, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
+        if ps.fused is None:
+            self._apply(group, ps.param, ps.carry, r, ps.step)
             return
-        delta = self._direction(ps, r)
-        apply_update(w, delta, lr=lr, weight_decay=group["weight_decay"], step_size=step_size)
+        # The fused kernels are GWT-AdamW's: Adam's bias corrections.
+        lr = group_lr(group)
+        step_size = lr * adam_step_factor(ps.step, *group["betas"])
+        scale = group["scale"] if ps.transformed else 1.0
+        ps.fused.phase2(ps.param, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
 
 
 def _is_real(x: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["transform_defaults", "check_adam_hyperparameters"]
+__all__ = ["transform_defaults", "check_adam_hyperparameters", "group_lr"]
 
 
 def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit: float | None) -> dict[str, Any]:
@@ -41,3 +41,9 @@ def check_adam_hyperparameters(g: dict[str, Any]) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b} (must be in [0, 1))")
     if not 0.0 <= g["eps"]:
         raise ValueError(f"Invalid epsilon value: {g['eps']} (must be >= 0)")
+
+
+def group_lr(group: dict[str, Any]) -> float:
+    """The group's learning rate as a float (a 0-d tensor lr is read once per use)."""
+    lr = group["lr"]
+    return lr.item() if isinstance(lr, Tensor) else lr

@@ -13,10 +13,10 @@ from torch import Tensor
 from gwt_optim import wavelets
 from gwt_optim.optim._fused import state_shape_problem
 
-__all__ = ["check_family", "check_saved_state", "eager_state_problem"]
+__all__ = ["approx_shape", "check_family", "check_saved_state", "eager_state_problem"]
 
 
-def _approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
+def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
     """The shape of A_l for a parameter of ``shape`` (the transform runs along the last axis)."""
     if level == 0 or not shape:
         return shape
@@ -77,7 +77,7 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
             transformed = p.ndim >= 2
             level = options["level"] if transformed else 0
             try:
-                approx = _approx_shape(tuple(p.shape), level, options["wavelet"])
+                approx = approx_shape(tuple(p.shape), level, options["wavelet"])
                 spec = opt._expected_state(options, approx, transformed)
             except Exception as exc:  # options a family cannot build state for
                 raise ValueError(
@@ -99,22 +99,21 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
                 raise ValueError(f"{opt._family}: {where}: {problem}")
 
 
-def eager_state_problem(opt: Any, group: dict, state: dict, approx: Tensor, moment_dtype,
+def eager_state_problem(opt: Any, group: dict, state: dict, G: Tensor, level: int, moment_dtype,
                         transformed: bool) -> str | None:
-    """What makes an existing state unfit for this eager step of ``opt``, or
-    None (the fused paths check with :func:`gwt_optim.optim._fused.state_problem`)."""
-    key = (id(group), tuple(approx.shape), transformed, moment_dtype)
+    """What makes an existing state unfit for this eager step of ``opt`` (its
+    gradient ``G`` in the compute dtype), or None (the fused paths check with
+    :func:`gwt_optim.optim._fused.state_problem`)."""
+    key = (id(group), tuple(G.shape), level, group["wavelet"], transformed, moment_dtype)
     spec = opt._state_specs.get(key)
     if spec is None:
-        spec = opt._state_specs[key] = opt._expected_state(group, tuple(approx.shape), transformed)
+        spec = opt._state_specs[key] = opt._expected_state(group, approx_shape(tuple(G.shape), level, group["wavelet"]),
+                                                           transformed)
     for name, shape in spec.items():
-        problem = state_shape_problem(state, name, shape, group["level"] if transformed else 0)
+        problem = state_shape_problem(state, name, shape, level)
         if problem is not None:
             return problem
         t = state[name]
-        if t.device != approx.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
-            return (
-                f"state {name!r} is a {t.dtype} tensor on {t.device}, "
-                f"the step runs in {approx.dtype} on {approx.device}"
-            )
+        if t.device != G.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
+            return f"state {name!r} is a {t.dtype} tensor on {t.device}, the step runs in {G.dtype} on {G.device}"
     return None

@@ -23,7 +23,8 @@ from typing import Any, Hashable, Protocol
 import torch
 from torch import Tensor
 
-from gwt_optim.optim.functional import LIMITER_EPS
+from gwt_optim.optim._family import group_lr
+from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor
 
 __all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "Host", "STEP", "make_plan", "plannable",
            "run_unplanned"]
@@ -57,14 +58,12 @@ class ParamStep:
     group: dict
     transformed: bool
     level: int
-    A: Tensor | None  # approximation coefficients A_l of this step's gradient
-    U: Tensor | None  # approximation update (before the limiter)
-    den: Tensor | None  # per-approximation-coefficient normalizer, None = 1
-    coeffs: Any = None  # wavelets.Coefficients, reference path only
     limited: bool = False
     norm_sq: Tensor | float | None = None  # a float from fused CPU kernels
     fused: Any = None  # the fused kernel backend running this parameter, if any
-    carry: Any = None  # what the fused phase 1 leaves for its phase 2
+    # What phase 1 leaves for phase 2: the fused backend's carry, or the
+    # eager path's functional.Moments (the family's first half).
+    carry: Any = None
     step: int = 0  # the state's step count after this step's increment
     batched: bool = False  # the fused backend runs this whole step later, with others
 
@@ -111,9 +110,6 @@ class Host(Protocol):
 
     def _finish(self, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
         """Run what ``_step_params`` queued and no plan took."""
-
-    def _step_factor(self, ps: ParamStep) -> float:
-        """The family's multiplier on lr for this step (Adam: bias correction)."""
 
     def _count_skipped(self, skipped: tuple | list) -> None:
         """Record what a batched backend skipped for a non-finite gradient."""
@@ -231,10 +227,10 @@ class Plan:
 def batch_scalars(host: Host, batch: StepBatch) -> None:
     """This step's ``scale`` and ``decay`` of a StepBatch, from its group."""
     group = batch.group
-    lr = group["lr"]
-    lr = lr.item() if isinstance(lr, Tensor) else lr
+    lr = group_lr(group)
     alpha = group["scale"] if batch.scaled else 1.0
-    batch.scale = alpha * lr * host._step_factor(batch.steps[0])
+    # The fused kernels are GWT-AdamW's: c_t is Adam's bias correction.
+    batch.scale = alpha * lr * adam_step_factor(batch.step, *group["betas"])
     batch.decay = 1 - lr * group["weight_decay"]
 
 
@@ -243,9 +239,8 @@ def run_unplanned(host: Host, steps: list[ParamStep]) -> None:
     family's step factor and the decoupled weight decay."""
     by_backend: dict[int, tuple[Any, list]] = {}
     for ps in steps:
-        lr = ps.group["lr"]
-        lr = lr.item() if isinstance(lr, Tensor) else lr
-        scale = (ps.group["scale"] if ps.transformed else 1.0) * lr * host._step_factor(ps)
+        lr = group_lr(ps.group)
+        scale = (ps.group["scale"] if ps.transformed else 1.0) * lr * adam_step_factor(ps.step, *ps.group["betas"])
         entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
         entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
     for backend, items in by_backend.values():

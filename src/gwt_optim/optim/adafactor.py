@@ -53,8 +53,9 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import transform_defaults
-from gwt_optim.optim.functional import DETAIL_NORMS, adafactor_moments, adafactor_step_factor
+from gwt_optim.optim import functional as F
+from gwt_optim.optim._family import group_lr, transform_defaults
+from gwt_optim.optim.functional import DETAIL_NORMS
 
 __all__ = ["GWTAdafactor", "DETAIL_NORMS"]
 
@@ -139,16 +140,15 @@ class GWTAdafactor(GWTOptimizer):
         if group["beta1"] is not None:
             state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
-    def _approx_update(self, group, state, A, step, transformed):
-        return adafactor_moments(
-            A, step, row_var=state.get("row_var"), col_var=state.get("col_var"), variance=state.get("variance"),
-            exp_avg=state.get("exp_avg"), beta2_decay=group["beta2_decay"], eps1=group["eps"][0], d=group["d"],
-            beta1=group["beta1"], detail_norm=group["detail_norm"],
+    def _moments(self, group, state, W, G, step):
+        return F.gwt_adafactor_moments(
+            W, G, step=step, row_var=state.get("row_var"), col_var=state.get("col_var"),
+            variance=state.get("variance"), exp_avg=state.get("exp_avg"), beta2_decay=group["beta2_decay"],
+            eps1=group["eps"][0], d=group["d"], beta1=group["beta1"], detail_norm=group["detail_norm"],
+            level=group["level"], impl=self._impl, wavelet=group["wavelet"],
         )
 
-    def _step_factor(self, ps) -> float:
-        group = ps.group
-        lr = group["lr"]
-        lr = lr.item() if isinstance(lr, Tensor) else lr
-        # The base multiplies by lr; the relative step replaces it (ps.param: the weight before this step).
-        return adafactor_step_factor(ps.param, ps.step, lr, group["eps"][1], group["relative_step"])
+    def _apply(self, group, W, m, r, step):
+        F.gwt_adafactor_apply(W, m, r, step=step, lr=group_lr(group), eps2=group["eps"][1],
+                              relative_step=group["relative_step"], weight_decay=group["weight_decay"],
+                              alpha=group["scale"], detail_clip=group["detail_clip"], match_rms=group["match_rms"])

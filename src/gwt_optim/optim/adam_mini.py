@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import check_adam_hyperparameters, transform_defaults
-from gwt_optim.optim.functional import BLOCKS, adam_mini_moments, adam_step_factor
+from gwt_optim.optim import functional as F
+from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
+from gwt_optim.optim.functional import BLOCKS
 
 __all__ = ["GWTAdamMini", "adam_mini_block", "adam_mini_param_groups", "BLOCKS"]
 
@@ -144,14 +145,17 @@ class GWTAdamMini(GWTOptimizer):
         state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
         state["vmean"] = torch.zeros_like(mean(approx, group["head_dim"]), dtype=moment_dtype)
 
-    def _approx_update(self, group, state, A, step, transformed):
+    def _moments(self, group, state, W, G, step):
         beta1, beta2 = group["betas"]
-        return adam_mini_moments(A, state["exp_avg"], state["vmean"], step, beta1, beta2, group["eps"],
-                                 group["block"], group["head_dim"])
+        return F.gwt_adam_mini_moments(W, G, state["exp_avg"], state["vmean"], step=step, beta1=beta1, beta2=beta2,
+                                       eps=group["eps"], block=group["block"], head_dim=group["head_dim"],
+                                       level=group["level"], impl=self._impl, wavelet=group["wavelet"])
 
-    def _step_factor(self, ps) -> float:
-        beta1, beta2 = ps.group["betas"]
-        return adam_step_factor(ps.step, beta1, beta2)
+    def _apply(self, group, W, m, r, step):
+        beta1, beta2 = group["betas"]
+        F.gwt_adam_mini_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
+                              weight_decay=group["weight_decay"], alpha=group["scale"],
+                              detail_clip=group["detail_clip"], match_rms=group["match_rms"])
 
 
 def adam_mini_param_groups(

@@ -37,7 +37,7 @@ and only count the step).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,8 +45,10 @@ from torch import Tensor
 from gwt_optim import wavelets
 
 __all__ = [
-    "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor",
-    "transform", "haar_approx", "limiter_ratio", "direction", "match_row_rms", "apply_update",
+    "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor", "Moments",
+    "gwt_adamw_moments", "gwt_adamw_apply", "gwt_muon_moments", "gwt_muon_apply",
+    "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
+    "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "match_row_rms", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
     "adafactor_moments",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
@@ -63,6 +65,32 @@ LIMITER_EPS = 1e-8
 def compute_dtype(W: Tensor) -> torch.dtype:
     """Math runs in at least fp32 whatever the parameter's dtype."""
     return torch.promote_types(W.dtype, torch.float32)
+
+
+class Moments(NamedTuple):
+    """What the first half of a step (steps 1-2) leaves for the second (4-5):
+    the limiter's r comes between them, from :meth:`norm_sq` (summed across
+    ranks under FSDP2)."""
+
+    G: Tensor  # the gradient in the compute dtype
+    A: Tensor  # A_l
+    U: Tensor  # the approximation update (before the limiter)
+    den: Tensor | None  # its normalizer of the details; None: raw details
+    coeffs: wavelets.Coefficients | None  # the literal transform's, else None
+    level: int  # the step's level (0 for a vector)
+
+    def norm_sq(self) -> Tensor:
+        """||U||_F^2, the limiter's input."""
+        return self.U.square().sum()
+
+
+def start(W: Tensor, G: Tensor, level: int, impl: str = "fast", wavelet: str = wavelets.HAAR) -> tuple[Tensor, Tensor, Any, int]:
+    """Step 1 for W: ``(G, A_l, coeffs, level)`` with G in the compute dtype;
+    a W with fewer than two dimensions takes the plain family's step (level 0)."""
+    level = level if W.ndim >= 2 else 0
+    G = G.to(compute_dtype(W))
+    A, coeffs = transform(G, level, impl, wavelet)
+    return G, A, coeffs, level
 
 
 def haar_approx(G: Tensor, level: int) -> Tensor:
@@ -254,6 +282,41 @@ def adam_step_factor(step: int, beta1: float, beta2: float) -> float:
     return math.sqrt(1 - beta2**step) / (1 - beta1**step)
 
 
+def gwt_adamw_moments(W: Tensor, G: Tensor, exp_avg, exp_avg_sq, *, step: int, beta1: float, beta2: float,
+                      eps: float, level: int, impl: str = "fast", wavelet: str = wavelets.HAAR) -> Moments:
+    """The first half of :func:`gwt_adamw` (steps 1-2). The moments may be
+    int8 codes behind :class:`gwt_optim.optim._quant.Quantized` (anything
+    with ``.to(dtype)`` and ``.copy_()``), stepped a chunk of rows at a time."""
+    G, A, coeffs, level = start(W, G, level, impl, wavelet)
+    if isinstance(exp_avg, Tensor):
+        U, den = adamw_moments(A, exp_avg, exp_avg_sq, step, beta1, beta2, eps)
+    else:
+        U, den = exp_avg.by_rows(A, exp_avg_sq, lambda a, m, v: adamw_moments(a, m, v, step, beta1, beta2, eps))
+    return Moments(G, A, U, den, coeffs, level)
+
+
+def gwt_adamw_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, beta1: float, beta2: float,
+                    weight_decay: float, alpha: float, detail_clip: float | None, match_rms: bool = False) -> None:
+    """The second half of :func:`gwt_adamw` (steps 4-5), with the limiter's ``r``."""
+    finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2), alpha=alpha,
+           detail_clip=detail_clip, match_rms=match_rms)
+
+
+def finish(W: Tensor, m: Moments, r: Tensor | float, *, lr: float, weight_decay: float, step_size: float,
+           alpha: float, detail_clip: float | None = None, match_rms: bool = False) -> None:
+    """Steps 4-5 of the families with a normalizer (AdamW, Adam-mini, Adafactor);
+    a vector takes alpha 1 and no clip."""
+    if W.ndim < 2:
+        alpha, detail_clip = 1.0, None
+    delta = direction(m.G, m.A, m.U, m.den, r, alpha, m.level, detail_clip, m.coeffs, match_rms)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=step_size)
+
+
+def _limit(W: Tensor, m: Moments, limiter_norm: Tensor | None, step: int, gamma: float | None) -> Tensor | float:
+    """Step 3 between the halves; a vector takes no limiter."""
+    return 1.0 if gamma is None or W.ndim < 2 else limiter_ratio(m.norm_sq(), limiter_norm, step, gamma)
+
+
 def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter_norm: Tensor | None, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
               alpha: float, gamma: float | None, detail_clip: float | None, impl: str = "fast",
@@ -265,14 +328,11 @@ def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter
     with ``gamma=None``). A W with fewer than two dimensions takes plain
     AdamW: level 0, alpha 1, no limiter.
     """
-    if W.ndim < 2:
-        level, alpha, gamma, detail_clip = 0, 1.0, None, None
-    G = G.to(compute_dtype(W))
-    A, coeffs = transform(G, level, impl, wavelet)
-    U, den = adamw_moments(A, exp_avg, exp_avg_sq, step, beta1, beta2, eps)
-    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
-    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
+    m = gwt_adamw_moments(W, G, exp_avg, exp_avg_sq, step=step, beta1=beta1, beta2=beta2, eps=eps, level=level,
+                          impl=impl, wavelet=wavelet)
+    r = _limit(W, m, limiter_norm, step, gamma)
+    gwt_adamw_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
+                    detail_clip=detail_clip, match_rms=match_rms)
 
 
 # ------------------------------------------------------------- GWT-Muon --- #
@@ -346,6 +406,22 @@ def muon_direction(G: Tensor, A: Tensor, B: Tensor, alpha: float, level: int, *,
     return O.mul_(alpha) if alpha != 1 else O
 
 
+def gwt_muon_moments(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool,
+                     level: int, impl: str = "fast", wavelet: str = wavelets.HAAR) -> Moments:
+    """The first half of :func:`gwt_muon`: ``U`` is B~, no normalizer."""
+    G, A, coeffs, level = start(W, G, level, impl, wavelet)
+    return Moments(G, A, muon_momentum(A, momentum_buffer, momentum, nesterov), None, coeffs, level)
+
+
+def gwt_muon_apply(W: Tensor, m: Moments, *, lr: float, weight_decay: float, alpha: float,
+                   ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
+                   ns_dtype: torch.dtype = torch.bfloat16, adjust_lr_fn: str | None = None) -> None:
+    """The second half of :func:`gwt_muon` (no limiter: Newton-Schulz would cancel it)."""
+    delta = muon_direction(m.G, m.A, m.U, alpha, m.level, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
+                           ns_eps=ns_eps, ns_dtype=ns_dtype, coeffs=m.coeffs)
+    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adjust_lr_ratio(adjust_lr_fn, W.shape))
+
+
 def gwt_muon(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float, nesterov: bool,
              weight_decay: float, level: int, alpha: float, ns_coefficients=NS_COEFFICIENTS, ns_steps: int = 5,
              ns_eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16, adjust_lr_fn: str | None = None,
@@ -354,12 +430,10 @@ def gwt_muon(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, lr: float, moment
 
     At level 0 with alpha 1 this is ``torch.optim.Muon``'s step.
     """
-    G = G.to(compute_dtype(W))
-    A, coeffs = transform(G, level, impl, wavelet)
-    B = muon_momentum(A, momentum_buffer, momentum, nesterov)
-    delta = muon_direction(G, A, B, alpha, level, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
-                           ns_eps=ns_eps, ns_dtype=ns_dtype, coeffs=coeffs)
-    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adjust_lr_ratio(adjust_lr_fn, W.shape))
+    m = gwt_muon_moments(W, G, momentum_buffer, momentum=momentum, nesterov=nesterov, level=level, impl=impl,
+                         wavelet=wavelet)
+    gwt_muon_apply(W, m, lr=lr, weight_decay=weight_decay, alpha=alpha, ns_coefficients=ns_coefficients,
+                   ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn)
 
 
 # -------------------------------------------------------- GWT-Adam-mini --- #
@@ -401,6 +475,19 @@ def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta
     return _safe_div(m, den), den
 
 
+def gwt_adam_mini_moments(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, *, step: int, beta1: float,
+                          beta2: float, eps: float, block: str, head_dim: int | None = None, level: int,
+                          impl: str = "fast", wavelet: str = wavelets.HAAR) -> Moments:
+    """The first half of :func:`gwt_adam_mini` (steps 1-2)."""
+    G, A, coeffs, level = start(W, G, level, impl, wavelet)
+    U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim)
+    return Moments(G, A, U, den, coeffs, level)
+
+
+# Adam-mini's second half is Adam's: the bias corrections on the shared steps 4-5.
+gwt_adam_mini_apply = gwt_adamw_apply
+
+
 def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_norm: Tensor | None, *,
                   step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
                   alpha: float, gamma: float | None, block: str, head_dim: int | None = None,
@@ -410,14 +497,11 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
 
     ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
     """
-    if W.ndim < 2:
-        level, alpha, gamma, detail_clip = 0, 1.0, None, None
-    G = G.to(compute_dtype(W))
-    A, coeffs = transform(G, level, impl, wavelet)
-    U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim)
-    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
-    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2))
+    m = gwt_adam_mini_moments(W, G, exp_avg, vmean, step=step, beta1=beta1, beta2=beta2, eps=eps, block=block,
+                              head_dim=head_dim, level=level, impl=impl, wavelet=wavelet)
+    r = _limit(W, m, limiter_norm, step, gamma)
+    gwt_adam_mini_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
+                        detail_clip=detail_clip, match_rms=match_rms)
 
 
 # -------------------------------------------------------- GWT-Adafactor --- #
@@ -476,6 +560,28 @@ def adafactor_step_factor(W: Tensor, step: int, lr: float, eps2: float, relative
     return max(eps2, W.norm(2).item() / (W.numel() ** 0.5)) * rho / lr
 
 
+def gwt_adafactor_moments(W: Tensor, G: Tensor, *, step: int, row_var: Tensor | None = None,
+                          col_var: Tensor | None = None, variance: Tensor | None = None,
+                          exp_avg: Tensor | None = None, beta2_decay: float = -0.8,
+                          eps1: float | None = None, d: float = 1.0, beta1: float | None = None,
+                          detail_norm: str = "clip", level: int, impl: str = "fast",
+                          wavelet: str = wavelets.HAAR) -> Moments:
+    """The first half of :func:`gwt_adafactor` (steps 1-2)."""
+    G, A, coeffs, level = start(W, G, level, impl, wavelet)
+    U, den = adafactor_moments(A, step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
+                               beta2_decay=beta2_decay, eps1=eps1, d=d, beta1=beta1, detail_norm=detail_norm)
+    return Moments(G, A, U, den, coeffs, level)
+
+
+def gwt_adafactor_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, eps2: float = 1e-3,
+                        relative_step: bool = True, weight_decay: float = 0.0, alpha: float,
+                        detail_clip: float | None = None, match_rms: bool = False) -> None:
+    """The second half of :func:`gwt_adafactor`; the relative step reads W before the update."""
+    c_t = adafactor_step_factor(W, step, lr, eps2, relative_step)
+    finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * c_t, alpha=alpha, detail_clip=detail_clip,
+           match_rms=match_rms)
+
+
 def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor | None = None,
                   col_var: Tensor | None = None, variance: Tensor | None = None, exp_avg: Tensor | None = None,
                   limiter_norm: Tensor | None = None, beta2_decay: float = -0.8,
@@ -485,13 +591,9 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                   wavelet: str = wavelets.HAAR, match_rms: bool = False) -> None:
     """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
     matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
-    if W.ndim < 2:
-        level, alpha, gamma, detail_clip = 0, 1.0, None, None
-    G = G.to(compute_dtype(W))
-    A, coeffs = transform(G, level, impl, wavelet)
-    U, den = adafactor_moments(A, step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
-                               beta2_decay=beta2_decay, eps1=eps[0], d=d, beta1=beta1, detail_norm=detail_norm)
-    r = 1.0 if gamma is None else limiter_ratio(U.square().sum(), limiter_norm, step, gamma)
-    c_t = adafactor_step_factor(W, step, lr, eps[1], relative_step)
-    delta = direction(G, A, U, den, r, alpha, level, detail_clip, coeffs, match_rms)
-    apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * c_t)
+    m = gwt_adafactor_moments(W, G, step=step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
+                              beta2_decay=beta2_decay, eps1=eps[0], d=d, beta1=beta1, detail_norm=detail_norm,
+                              level=level, impl=impl, wavelet=wavelet)
+    r = _limit(W, m, limiter_norm, step, gamma)
+    gwt_adafactor_apply(W, m, r, step=step, lr=lr, eps2=eps[1], relative_step=relative_step,
+                        weight_decay=weight_decay, alpha=alpha, detail_clip=detail_clip, match_rms=match_rms)

@@ -48,9 +48,10 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import check_adam_hyperparameters, transform_defaults
-from gwt_optim.optim.functional import (_ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adam_step_factor, adamw_moments,
-                                        adjust_lr_ratio, muon_direction, muon_momentum, zeropower_via_newtonschulz)
+from gwt_optim.optim import adamw
+from gwt_optim.optim import functional as F
+from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
+from gwt_optim.optim.functional import _ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adjust_lr_ratio, zeropower_via_newtonschulz
 
 __all__ = ["GWTMuon", "zeropower_via_newtonschulz", "NS_COEFFICIENTS", "NS_DTYPES", "adjust_lr_ratio"]
 
@@ -160,7 +161,7 @@ class GWTMuon(GWTOptimizer):
             )
         check_adam_hyperparameters(g)  # the AdamW groups' betas and eps
 
-    # Groups with use_muon=False run GWT-AdamW's rule (gwt_optim.optim.functional), in this family's code.
+    # Groups with use_muon=False run GWT-AdamW's halves (adamw.moments, adamw.apply).
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         if group["use_muon"]:
@@ -170,29 +171,22 @@ class GWTMuon(GWTOptimizer):
             state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
-    def _approx_update(self, group, state, A, step, transformed):
-        if not group["use_muon"]:
-            beta1, beta2 = group["betas"]
-            return adamw_moments(A, state["exp_avg"], state["exp_avg_sq"], step, beta1, beta2, group["eps"])
-        return muon_momentum(A, state["momentum_buffer"], group["momentum"], group["nesterov"]), None
-
     def _limiter_enabled(self, group, transformed) -> bool:
         # Newton-Schulz divides by the norm first, so the limiter would cancel.
         return not group["use_muon"] and super()._limiter_enabled(group, transformed)
 
-    def _direction(self, ps, r):
-        group = ps.group
+    def _moments(self, group, state, W, G, step):
         if not group["use_muon"]:
-            return super()._direction(ps, r)
-        # alpha once, on the orthogonalized direction (r is 1: no limiter in a Muon group).
-        return muon_direction(
-            ps.grad, ps.A, ps.U, group["scale"], ps.level, ns_coefficients=group["ns_coefficients"],
-            ns_steps=group["ns_steps"], ns_eps=group["ns_eps"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
-            coeffs=ps.coeffs,
-        )
+            return adamw.moments(group, state, W, G, step, self._impl)
+        return F.gwt_muon_moments(W, G, state["momentum_buffer"], momentum=group["momentum"],
+                                  nesterov=group["nesterov"], level=group["level"], impl=self._impl,
+                                  wavelet=group["wavelet"])
 
-    def _step_factor(self, ps) -> float:
-        if not ps.group["use_muon"]:
-            beta1, beta2 = ps.group["betas"]
-            return adam_step_factor(ps.step, beta1, beta2)
-        return adjust_lr_ratio(ps.group["adjust_lr_fn"], ps.param.shape)
+    def _apply(self, group, W, m, r, step):
+        if not group["use_muon"]:
+            return adamw.apply(group, W, m, r, step)
+        # alpha once, on the orthogonalized direction (r is 1: no limiter in a Muon group).
+        F.gwt_muon_apply(W, m, lr=group_lr(group), weight_decay=group["weight_decay"], alpha=group["scale"],
+                         ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+                         ns_eps=group["ns_eps"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
+                         adjust_lr_fn=group["adjust_lr_fn"])
