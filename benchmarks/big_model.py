@@ -155,9 +155,9 @@ def main(argv=None) -> int:
 
     from gwt_optim.toolkit.metrics import current_rss_bytes, peak_rss_bytes
     from gwt_optim.toolkit.registry import parse_optimizer_arg
-    from gwt_optim.toolkit.train import _quiet_import_noise
+    from gwt_optim.toolkit.quiet import quiet_third_party
 
-    _quiet_import_noise()
+    quiet_third_party()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
