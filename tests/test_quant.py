@@ -154,3 +154,26 @@ def test_families_without_int8_refuse_it(cls):
         cls([nn.Parameter(torch.zeros(4, 4))], moment_dtype="int8")
     with pytest.raises(ValueError, match="moment_dtype"):
         GWTAdamW([nn.Parameter(torch.zeros(4, 4))], moment_dtype="int4")
+
+
+def test_int8_moments_step_through_the_one_adamw_moment_rule():
+    """The eager int8 step is functional.gwt_adamw on the state's codes behind
+    _quant.Quantized: no moment update of its own."""
+    from gwt_optim.optim import functional as F
+
+    gen = torch.Generator().manual_seed(3)
+    W = nn.Parameter(torch.randn(6, 600, generator=gen))
+    opt = GWTAdamW([W], lr=1e-2, moment_dtype="int8", weight_decay=0.1)
+    V = W.detach().clone()
+    for t in range(1, 4):
+        G = torch.randn(6, 600, generator=gen)
+        st = {k: v.clone() for k, v in opt.state[W].items()} if opt.state[W] else None
+        W.grad = G
+        opt.step()
+        if st is None:  # the first step: the state the optimizer made, at zero
+            st = {k: torch.zeros_like(v) for k, v in opt.state[W].items()}
+        F.gwt_adamw(V, G, *_quant.moments(st), st["limiter_norm"], step=t, lr=1e-2, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.1, level=2, alpha=0.25, gamma=1.01, detail_clip=0.5)
+        for k in ("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax", "limiter_norm"):
+            assert torch.equal(st[k], opt.state[W][k]), (t, k)
+        assert torch.equal(V, W.detach()), t

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BLOCK", "CHUNK", "dynamic_map", "blocks", "zeros", "quantize_", "dequantize"]
+__all__ = ["BLOCK", "CHUNK", "Quantized", "dynamic_map", "blocks", "zeros", "quantize_", "dequantize", "moments"]
 
 BLOCK = 256
 # Values per chunk in callers that walk a large moment: the rounding makes an
@@ -104,3 +104,60 @@ def dequantize(codes: Tensor, absmax: Tensor, *, signed: bool, dtype: torch.dtyp
     out = qmap[codes.int()]  # int32 indices: uint8 ones would be read as a mask
     out.mul_(absmax.repeat_interleave(BLOCK, dim=-1)[..., : codes.shape[-1]])
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+class Quantized:
+    """An int8 moment as :func:`gwt_optim.optim.functional.adamw_moments`
+    reads it, like a low-precision tensor: ``.to(dtype)`` dequantizes and
+    ``.copy_(x)`` quantizes. The state holds its ``codes`` and ``absmax`` as
+    plain tensors (so a state dict loads with ``weights_only=True`` and round
+    trips bitwise); this wraps them for one step.
+
+    ``root``: the codes hold :math:`\\sqrt V`, not :math:`V` (``exp_avg_sq``):
+    the details are divided by :math:`\\sqrt V + \\epsilon'`, and a :math:`V`
+    code that rounds to zero (below about :math:`10^{-7}` of its block's
+    maximum) would amplify them by up to :math:`1/\\epsilon'`; in the root
+    that takes a :math:`10^{-14}` ratio of :math:`V`, and the map's relative
+    precision applies to den directly. The step uses the moments before
+    rounding, as torchao's 8-bit Adam does.
+    """
+
+    dtype = torch.uint8
+
+    def __init__(self, codes: Tensor, absmax: Tensor, *, signed: bool, root: bool = False) -> None:
+        self.codes, self.absmax, self.signed, self.root = codes, absmax, signed, root
+
+    def to(self, dtype: torch.dtype) -> Tensor:
+        x = dequantize(self.codes, self.absmax, signed=self.signed, dtype=dtype)
+        return x.square_() if self.root else x
+
+    def copy_(self, x: Tensor) -> "Quantized":
+        quantize_(x.sqrt() if self.root else x, self.codes, self.absmax, signed=self.signed)
+        return self
+
+    def _rows(self, rs: slice) -> "Quantized":
+        n = self.codes.shape[-1]
+        codes = self.codes.view(-1, n)
+        return Quantized(codes[rs], self.absmax.view(len(codes), -1)[rs], signed=self.signed, root=self.root)
+
+    def by_rows(self, A: Tensor, other: "Quantized", update) -> tuple[Tensor, Tensor]:
+        """``update(a, m, v) -> (U, den)`` over chunks of rows of ``A`` with
+        this moment and ``other``'s rows: chunks bound the temporaries to a
+        few MB whatever the parameter's size (embeddings at level 0)."""
+        n = A.shape[-1]
+        A2 = A.reshape(-1, n)
+        U, den = torch.empty_like(A2), torch.empty_like(A2)
+        rows = max(1, CHUNK // max(n, 1))
+        for i in range(0, len(A2), rows):
+            rs = slice(i, i + rows)
+            U[rs], den[rs] = update(A2[rs], self._rows(rs), other._rows(rs))
+        return U.view(A.shape), den.view(A.shape)
+
+
+def moments(state: dict) -> tuple[Tensor | Quantized, Tensor | Quantized]:
+    """GWT-AdamW's ``(exp_avg, exp_avg_sq)`` as the step reads them: the
+    tensors, or their codes behind :class:`Quantized` (``moment_dtype="int8"``)."""
+    if "exp_avg_absmax" not in state:
+        return state["exp_avg"], state["exp_avg_sq"]
+    return (Quantized(state["exp_avg"], state["exp_avg_absmax"], signed=True),
+            Quantized(state["exp_avg_sq"], state["exp_avg_sq_absmax"], signed=False, root=True))

@@ -47,17 +47,15 @@ details (and its approximation update) instead of dividing by zero.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
 from gwt_optim.optim import _fused, _quant
-from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim import functional as F
+from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
-from gwt_optim.optim.functional import _safe_div
 
 __all__ = ["GWTAdamW"]
 
@@ -152,13 +150,9 @@ class GWTAdamW(GWTOptimizer):
 
 
 def moments(group: dict, state: dict, W: Tensor, G: Tensor, step: int, impl: str) -> F.Moments:
-    if "exp_avg_absmax" in state:
-        G, A, coeffs, level = F.start(W, G, group["level"], impl, group["wavelet"])
-        U, den = _int8_moments(group, state, A, step)
-        return F.Moments(G, A, U, den, coeffs, level)
     beta1, beta2 = group["betas"]
-    return F.gwt_adamw_moments(W, G, state["exp_avg"], state["exp_avg_sq"], step=step, beta1=beta1, beta2=beta2,
-                               eps=group["eps"], level=group["level"], impl=impl, wavelet=group["wavelet"])
+    return F.gwt_adamw_moments(W, G, *_quant.moments(state), step=step, beta1=beta1, beta2=beta2, eps=group["eps"],
+                               level=group["level"], impl=impl, wavelet=group["wavelet"])
 
 
 def apply(group: dict, W: Tensor, m: F.Moments, r, step: int) -> None:
@@ -166,36 +160,3 @@ def apply(group: dict, W: Tensor, m: F.Moments, r, step: int) -> None:
     F.gwt_adamw_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
                       weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"],
                       match_rms=group["match_rms"])
-
-
-def _int8_moments(group, state, A, step):
-    r"""The same update on 8-bit moments, a chunk of rows at a time.
-
-    ``exp_avg_sq`` holds codes of :math:`\sqrt V`, not of :math:`V`: the
-    details are divided by :math:`\sqrt V + \epsilon'`, and a :math:`V`
-    code that rounds to zero (below about :math:`10^{-7}` of its block's
-    maximum) would amplify them by up to :math:`1/\epsilon'`; in the root
-    that takes a :math:`10^{-14}` ratio of :math:`V`, and the map's relative
-    precision applies to den directly. The step uses the moments before
-    rounding (as torchao's 8-bit Adam), and chunks bound the temporaries
-    to a few MB whatever the parameter's size (embeddings at level 0).
-    """
-    beta1, beta2 = group["betas"]
-    eps2 = group["eps"] * math.sqrt(1 - beta2**step)
-    n = A.shape[-1]
-    A2 = A.reshape(-1, n)
-    U, den = torch.empty_like(A2), torch.empty_like(A2)
-    Mq, Vq = state["exp_avg"].view(-1, n), state["exp_avg_sq"].view(-1, n)
-    Ms = state["exp_avg_absmax"].view(len(A2), -1)
-    Vs = state["exp_avg_sq_absmax"].view(len(A2), -1)
-    rows = max(1, _quant.CHUNK // max(n, 1))
-    for i in range(0, len(A2), rows):
-        rs = slice(i, i + rows)
-        a = A2[rs]
-        m = _quant.dequantize(Mq[rs], Ms[rs], signed=True, dtype=A.dtype).lerp_(a, 1 - beta1)
-        v = _quant.dequantize(Vq[rs], Vs[rs], signed=False, dtype=A.dtype).square_()
-        root = v.mul_(beta2).addcmul_(a, a, value=1 - beta2).sqrt_()
-        _quant.quantize_(m, Mq[rs], Ms[rs], signed=True)
-        _quant.quantize_(root, Vq[rs], Vs[rs], signed=False)
-        U[rs] = _safe_div(m, torch.add(root, eps2, out=den[rs]))
-    return U.view(A.shape), den.view(A.shape)

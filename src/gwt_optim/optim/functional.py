@@ -262,18 +262,23 @@ def _reference_inverse(coeffs: wavelets.Coefficients, U: Tensor, den, r, clip: f
 
 def adamw_moments(A: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, beta1: float, beta2: float,
                   eps: float) -> tuple[Tensor, Tensor]:
-    """Step 2 of GWT-AdamW: M, V on A_l; den = sqrt(V) + eps sqrt(1 - beta2^t) (torch's eps); U = M / den."""
+    """Step 2 of GWT-AdamW: M, V on A_l; den = sqrt(V) + eps sqrt(1 - beta2^t) (torch's eps); U = M / den.
+
+    The moments may be of a lower precision than A_l (bf16; int8 codes behind
+    :class:`gwt_optim.optim._quant.Quantized`): they are read with ``.to``
+    and written with ``.copy_``."""
     M, V = exp_avg, exp_avg_sq
     if M.dtype == A.dtype:
         M.lerp_(A, 1 - beta1)
         V.mul_(beta2).addcmul_(A, A, value=1 - beta2)
-        m, v = M, V
-    else:  # low-precision moments: update in the compute dtype, store once
+        m, den = M, V.sqrt()
+    else:  # low-precision moments (bf16, or int8 codes): update in the compute dtype, store once
         m = M.to(A.dtype).lerp_(A, 1 - beta1)
         v = V.to(A.dtype).mul_(beta2).addcmul_(A, A, value=1 - beta2)
         M.copy_(m)
         V.copy_(v)
-    den = v.sqrt().add_(eps * math.sqrt(1 - beta2**step))
+        den = v.sqrt_()  # v is this step's copy: no second temporary
+    den.add_(eps * math.sqrt(1 - beta2**step))
     return _safe_div(m, den), den
 
 
