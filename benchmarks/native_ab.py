@@ -71,7 +71,7 @@ def optimizer(kind: str, shapes: list, lib: ctypes.CDLL | None, warmup: int):
         p.grad = torch.randn(p.shape, generator=gen)
     if lib is not None:
         opt.step()  # makes the backend
-        backend = opt._kernels._backend("native")
+        backend = opt._kernels.get("native")
         backend._steps = {dt: getattr(lib, f"gwt_adamw_haar_steps_{sfx}") for dt, sfx in _native._DTYPE_SUFFIX.items()}
     for _ in range(warmup):
         opt.step()

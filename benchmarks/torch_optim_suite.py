@@ -301,17 +301,18 @@ def _git(*args):
 
 
 def _backend_note():
-    """Which path GWTAdamW's default (compile=None) takes for a small matrix here."""
+    """Which backend GWTAdamW's default (backend="auto") takes for a small matrix here."""
     try:
         import torch
         import gwt_optim
+        from gwt_optim.optim._backends import choose
 
         w = torch.nn.Parameter(torch.randn(10, 8))
         w.grad = torch.randn_like(w)
         opt = gwt_optim.GWTAdamW([w])
-        r = opt.route(opt.param_groups[0], w, w.grad)
+        r = choose(opt._kernels, opt.param_groups[0], w, w.grad, False, True)
         backend = type(r.backend).__name__ if r.backend is not None else None
-        return f"path={r.path} backend={backend}"
+        return f"backend={backend}" + (f" ({r.reason})" if r.reason else "")
     except Exception as e:  # noqa: BLE001
         return f"? ({type(e).__name__}: {e})"
 

@@ -2,7 +2,7 @@
 decide it (family, group options, weight and gradient dtype, level, moment
 dtype, detail clip, a sharded parameter, ``compile``, ``impl``, wavelet,
 shape), against the answers recorded before backend choice moved into one
-function over declared capabilities (:meth:`GWTOptimizer.select_backend`).
+function over declared capabilities (now :func:`gwt_optim.optim._backends.choose`).
 
 ``ANSWERS`` was written by this file's ``__main__`` from the commit before
 that change (``PYTHONPATH=OLD/src python tests/test_backend_choice.py``), one
@@ -98,8 +98,9 @@ def _triton_on_cpu(patch) -> None:
 
 def answers(select: bool = False):
     """(path, backend name, gradient dtype read, level) of each case, and,
-    with ``select``, the Choice that select_backend gives."""
+    with ``select``, the Route that choose gives."""
     import gwt_optim
+    from gwt_optim.optim._backends import choose
 
     opts: dict = {}
     gen = torch.Generator().manual_seed(0)
@@ -113,10 +114,13 @@ def answers(select: bool = False):
         g = {**opt.defaults, **group}
         w = torch.randn(SHAPES[shape], generator=gen).to(wd)
         grad = torch.randn(SHAPES[shape], generator=gen).to(gd)
-        p, G = (DTensor(w), DTensor(grad)) if sharded else (w, grad)
-        route = opt.route(g, p, G)
-        answer = (route.path, getattr(route.backend, "name", None), _NAMES[route.grad.dtype], route.level)
-        out.append((cid, answer, opt.select_backend(g, p, G) if select else None))
+        r = choose(opt._kernels, g, w, grad, sharded, opt._limiter_enabled(g, w.ndim >= 2))
+        if r.backend is not None:
+            path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
+        else:
+            path = "plain" if r.level == 0 else "haar" if impl == "fast" and g["wavelet"] == "haar" else "reference"
+        answer = (path, getattr(r.backend, "name", None), _NAMES[r.grad.dtype], r.level)
+        out.append((cid, answer, r if select else None))
     return out
 
 
@@ -259,16 +263,38 @@ def test_the_capability_table_is_what_the_kernels_take():
     assert _triton.TritonBackend(cpu=True).capabilities.devices == {"cuda", "cpu"}
 
 
-def test_candidates_per_compile_device_and_level():
+def test_candidates_per_backend_device_and_level():
     from gwt_optim.optim._backends import candidates
 
-    assert candidates(None, "cuda", 2) == [("triton", True)]
-    assert candidates(None, "cuda", 0) == [("triton", False)]
+    assert candidates("auto", "cuda", 2) == [("triton", True)]
+    assert candidates("auto", "cuda", 0) == [("triton", False)]
     assert candidates("native", "cuda", 0) == []
-    assert candidates(True, "cpu", 2) == [("native", True)]
-    assert candidates(None, "cpu", 0) == [("fused_adamw", False), ("native", False)]
+    assert candidates("native", "cpu", 2) == [("native", True)]
+    assert candidates("auto", "cpu", 2) == [("native", True)]
+    assert candidates("auto", "cpu", 0) == [("fused_adamw", False), ("native", False)]
     assert candidates("triton", "cpu", 0) == [("triton", False)]
-    assert candidates(None, "mps", 2) == []
+    assert candidates("auto", "mps", 2) == []
+
+
+def test_compile_is_a_deprecated_alias_of_backend():
+    from gwt_optim import GWTAdamW
+
+    p = torch.nn.Parameter(torch.zeros(2, 4))
+    for compile, backend, strict in ((None, "auto", False), (True, "auto", True), (False, "eager", False),
+                                     ("native", "native", True), ("triton", "triton", True)):
+        if compile is None:
+            opt = GWTAdamW([p])
+        else:
+            with pytest.warns(DeprecationWarning, match=f"pass backend={backend!r}"):
+                opt = GWTAdamW([p], compile=compile)
+        assert (opt._backend, opt._strict) == (backend, strict)
+    for backend in ("auto", "eager", "native", "triton"):
+        opt = GWTAdamW([p], backend=backend)
+        assert (opt._backend, opt._strict) == (backend, backend in ("native", "triton"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        GWTAdamW([p], backend="cuda")
+    with pytest.raises(ValueError, match="alone"):
+        GWTAdamW([p], backend="eager", compile=False)
 
 
 def test_no_capability_is_probed_with_getattr():

@@ -14,7 +14,7 @@ import torch
 
 import functional_runs as runs
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused, _native
+from gwt_optim.optim import _fused, _native, _stepper
 
 
 def _native_or_skip():
@@ -217,7 +217,7 @@ def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, sh
         opt.step()
     finally:
         torch.set_num_threads(saved)
-    (entry,) = opt._kernels._backend("native")._plans["step"][3]
+    (entry,) = opt._kernels.get("native")._plans["step"][3]
     assert entry.pipelined == pipelined and entry.stride == 2 * 16 * 16
 
 
@@ -291,9 +291,14 @@ def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
     _native_or_skip()
     backend = _fused.NativeBackend()
     w = torch.zeros(4, 8192, dtype=torch.bfloat16)
-    assert backend.supports(w, w, torch.float32, 11)
-    assert not backend.supports(w, w, torch.float32, 12)  # blocks wider than a segment: eager
-    assert not backend.supports(w, w, torch.bfloat16, 2)  # bf16 moments: eager
+    group = {"detail_clip": None, "match_rms": False, "moment_dtype": None}
+
+    def supports(md, level):
+        return backend.capabilities.refusal(w, w, md, level, group, False) is None
+
+    assert supports(torch.float32, 11)
+    assert not supports(torch.float32, 12)  # blocks wider than a segment: eager
+    assert not supports(torch.bfloat16, 2)  # bf16 moments: eager
     W0, grads = _problem((3, 2100), 2, torch.float64)
     W0, grads = W0.bfloat16(), [g.bfloat16() for g in grads]
     grads[1][2, 2099] = float("inf")  # in the last, partial segment of the last row
@@ -326,7 +331,7 @@ def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch):
             caps = _fused.NativeBackend.capabilities
             mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
             if defer:
-                mp.setattr(opt, "_needs_collective", lambda ps: True)
+                mp.setattr(_stepper, "_needs_collective", lambda ps: True)
             for _ in range(4):
                 opt.zero_grad()
                 m(x).square().mean().backward()

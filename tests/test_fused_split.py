@@ -57,7 +57,7 @@ def test_fused_is_the_facade_the_optimizers_and_tests_use():
     assert _fused.NativeBackend is _native.NativeBackend
     assert _fused.KernelUnavailable is _toolchain.KernelUnavailable
     assert _fused.BACKENDS["native"] is _native.NativeBackend
-    for name in ("check_compile_option", "state_problem", "state_shape_problem", "all_finite", "FusedBackend"):
+    for name in ("backend_option", "all_finite", "FusedBackend", "Kernels"):
         assert callable(getattr(_fused, name)), name
     for name in _fused.__all__:
         assert hasattr(_fused, name), name
@@ -141,7 +141,7 @@ def test_a_family_lists_its_own_keys_in_the_order_of_its_signature(cls):
     defaults = cls([torch.nn.Parameter(torch.zeros(2, 4))]).defaults
     assert set(_BASE_KEYS) <= set(defaults)
     own = [k for k in defaults if k not in _BASE_KEYS]
-    signature = [k for k in inspect.signature(cls).parameters if k not in ("params", "impl", "compile")]
+    signature = [k for k in inspect.signature(cls).parameters if k not in ("params", "impl", "backend", "compile")]
     assert own == [k for k in signature if k not in _BASE_KEYS]
 
 

@@ -21,7 +21,6 @@ import torch
 from gwt_optim import GWTAdamW
 from gwt_optim.optim import _fused
 from gwt_optim.optim import _stepper
-from gwt_optim.optim._base import GWTOptimizer
 
 
 def _plan(opt):
@@ -47,13 +46,13 @@ def mocked(monkeypatch):
     for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
         monkeypatch.setattr(_triton, name, launch)
     monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
-    phase1 = GWTOptimizer._phase1
+    phase1 = _stepper.Stepper._phase1
 
     def counted(self, *args, **kwargs):
         calls["phase1"] += 1
         return phase1(self, *args, **kwargs)
 
-    monkeypatch.setattr(GWTOptimizer, "_phase1", counted)
+    monkeypatch.setattr(_stepper.Stepper, "_phase1", counted)
     return calls
 
 
@@ -96,7 +95,7 @@ def test_a_held_plan_skips_the_per_parameter_path(mocked):
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].device.type == "cpu" and st["step"].ndim == 0
         assert st["step"].item() == 5
-    assert all(ps.grad is None for ps in plan.fast)  # the plan keeps no gradient alive
+    assert all(ps.grad is None for ps in plan.steps)  # the plan keeps no gradient alive
 
 
 def _new_state_tensor(opt, params):
@@ -197,9 +196,9 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
     opt = GWTAdamW([p], lr=1e-2, compile="triton")
     p.grad = torch.randn(8, 32).bfloat16()
     opt.step()
-    (ps,) = _plan(opt).fast
+    (ps,) = _plan(opt).steps
     assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.fused.name == "triton"
-    assert _plan(opt).grad_specs == [(torch.bfloat16, True)]
+    assert [layout[:2] for layout in _plan(opt).layouts] == [(torch.bfloat16, True)]
 
 
 # ------------------------------------------- results: plan or no plan --- #
@@ -303,7 +302,7 @@ def test_step_param_holds_a_plan_per_parameter(mocked):
     assert mocked["launch"] == 4 * len(params) * 3  # three launches per parameter
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 5
-    assert all(plan.fast[0].grad is None for plan in plans.values())  # no gradient kept alive
+    assert all(plan.steps[0].grad is None for plan in plans.values())  # no gradient kept alive
     # skips are counted in the backends' running counts: no new tensor per call
     assert len(opt._nonfinite_counters) == 1 and opt.nonfinite_skips == 0
 
@@ -417,7 +416,7 @@ def test_a_cast_gradient_does_not_unmake_the_plan():
         opt.step()
         ref.step()
         plans.append(_plan(opt))
-    assert plans[1] is plans[2] is plans[3] and [ps.full_param for ps in plans[3].fast] == [a]
+    assert plans[1] is plans[2] is plans[3] and [ps.full_param for ps in plans[3].steps] == [a]
     assert torch.equal(a, twin_a) and torch.equal(b, twin_b)
 
 

@@ -129,15 +129,22 @@ def test_native_kernels_never_see_unfit_state(corrupt, message):
     assert torch.equal(W.detach(), before)
 
 
-def test_check_state_is_the_shared_validation():
+def test_state_problem_is_the_one_state_check():
+    from gwt_optim.optim._saved import state_problem
+
     W = _param((4, 16))
     G = torch.zeros(4, 16)
     good = {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4), "limiter_norm": torch.zeros(())}
-    _fused.check_state(W, G, good, 2, torch.float32, name="W")
-    with pytest.raises(ValueError, match=r"^W: state 'exp_avg' has shape \(4, 4\), but a level-1 step"):
-        _fused.check_state(W, G, good, 1, torch.float32, name="W")
-    with pytest.raises(ValueError, match="gradient has shape"):
-        _fused.check_state(W, torch.zeros(4, 8), good, 2, torch.float32)
+    spec = {"exp_avg": (4, 4), "exp_avg_sq": (4, 4)}
+    for fused in (None, torch.float32):
+        assert state_problem(good, spec, 2, W, G, fused) is None
+    assert state_problem(good, spec, 2) is None  # a saved state: shapes only
+    assert state_problem(good, {"exp_avg": (4, 8)}, 1, W, G).startswith(
+        "state 'exp_avg' has shape (4, 4), but level 1 needs (4, 8)")
+    assert state_problem(good, {"exp_avg": (4, 8)}, 1).startswith("the saved state 'exp_avg' has shape (4, 4)")
+    assert "gradient has shape" in state_problem(good, spec, 2, W, torch.zeros(4, 8), torch.float32)
+    assert "moment_dtype" in state_problem(good, spec, 2, W, G, torch.bfloat16)
+    assert state_problem(good, spec, 2, W, G, None) is None  # the eager path reads any floating moments
 
 
 # -------------------------------------------------------- kernel cache --- #
@@ -381,12 +388,12 @@ def test_the_eager_path_checks_every_gradient_at_once(family, monkeypatch):
     launches behind the previous one's kernels. It now checks all gradients in
     one foreach norm per step, with the same results. Forced on CPU here (``_check_waits``). GWT-AdamW runs eager here
     (compile=False); with its fused kernels, they check gradients themselves."""
-    from gwt_optim.optim._base import GWTOptimizer
+    from gwt_optim.optim import _stepper
 
     def train(at_once: bool):
         calls = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(GWTOptimizer, "_check_waits", staticmethod(lambda g: at_once))
+            mp.setattr(_stepper, "_check_waits", lambda g: at_once)
             foreach_norm = torch._foreach_norm
             mp.setattr(torch, "_foreach_norm", lambda ts, *a, **k: (calls.append(len(ts)), foreach_norm(ts, *a, **k))[1])
             params = [_param((8, 32), 1), _param((6, 16), 2), _param((4, 8, 8), 3), _param((32,), 4)]
@@ -416,10 +423,10 @@ def test_the_eager_path_checks_every_gradient_at_once(family, monkeypatch):
 
 
 def test_fused_gwt_adamw_leaves_the_checks_to_its_kernels(monkeypatch):
-    from gwt_optim.optim._base import GWTOptimizer
+    from gwt_optim.optim import _stepper
 
     _native_or_skip()
-    monkeypatch.setattr(GWTOptimizer, "_check_waits", staticmethod(lambda g: True))
+    monkeypatch.setattr(_stepper, "_check_waits", lambda g: True)
     calls = []
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: (calls.append(len(ts)), foreach_norm(ts, *a, **k))[1])
@@ -556,7 +563,8 @@ def test_families_use_the_hooks_not_the_private_phase():
     from gwt_optim.optim._base import GWTOptimizer
 
     for cls in (GWTMuon, GWTAdafactor, GWTAdamMini, GWTAdamW):
-        assert cls._phase2 is GWTOptimizer._phase2, cls
+        for name in ("state_dict", "load_state_dict", "add_param_group", "_expected_state"):
+            assert getattr(cls, name) is getattr(GWTOptimizer, name), (cls, name)
     for name in ("_shape_in_step", "_param_in_step"):
         assert not hasattr(GWTMuon([_param((4, 8))]), name)
         assert not hasattr(GWTAdafactor([_param((4, 8))]), name)
@@ -566,7 +574,7 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
     from typing import Protocol
 
     assert Protocol in _fused.FusedBackend.__mro__
-    members = ("supports", "prepare", "phase1", "phase2", "step_many")
+    members = ("prepare", "phase1", "phase2", "step_many")
     for name in members:
         assert callable(getattr(_fused.FusedBackend, name))
         assert callable(getattr(_fused.NativeBackend, name))
@@ -574,7 +582,7 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_a_copy_keeps_impl_and_compile(how):
+def test_a_copy_keeps_impl_and_backend(how):
     import copy
     import pickle
 
@@ -585,9 +593,9 @@ def test_a_copy_keeps_impl_and_compile(how):
     p.grad = torch.randn(8, 32)
     opt.step()
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
-    assert (twin._impl, twin._compile) == ("reference", False)
+    assert (twin._impl, twin._backend) == ("reference", "eager")
     q = next(iter(twin.state))
     q.grad = p.grad.clone()
     twin.step()
-    (ps,) = [twin.route(twin.param_groups[0], q, q.grad)]
-    assert ps.path == "reference"
+    assert twin._kernels.refusal(twin.param_groups[0]) == "impl='reference' runs the eager path"
+    assert twin.state[q]["step"].item() == 2

@@ -1,7 +1,13 @@
-"""GWTOptimizer.route is the one place that decides a parameter's path: this
-table lists each case (family, device, dtype, level, compile, moment dtype,
-1-D, impl, wavelet) and the path and backend it takes, and checks that a
-step takes exactly that route.
+"""_backends.choose is the one place that decides where a parameter's step
+runs: this table lists each case (family, device, dtype, level, compile,
+moment dtype, 1-D, impl, wavelet) and the path and backend it takes, and
+checks that a step takes exactly that route.
+
+The paths: "batched" (a batched fused backend runs the whole step, with
+others, under the stepper's plan), "fused" (a fused backend's phase 1 and
+phase 2 around the limiter's all-reduce: sharded parameters), and the
+family's eager halves, whose transform is "plain" (level 0), "haar" (the
+closed form, impl="fast") or "reference" (wavedec and waverec).
 
 The CUDA rows run the Triton backend on CPU tensors with its launches
 replaced (``TritonBackend(cpu=True)``, as tests/test_host_overhead.py does):
@@ -15,7 +21,11 @@ import torch
 
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
 from gwt_optim.optim import _fused
-from gwt_optim.optim._base import PATHS, GWTOptimizer
+from gwt_optim.optim._backends import choose
+from gwt_optim.optim._sharded import is_dtensor, local
+from gwt_optim.optim._stepper import Stepper
+
+PATHS = ("batched", "fused", "plain", "haar", "reference")
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
@@ -88,33 +98,45 @@ def _make(family, options, shape, dtype, compile, impl):
     return p, family([group], lr=1e-3, impl=impl, **kw)
 
 
+def route(opt, group, p, grad):
+    """(path, backend, gradient as read, level) of ``p``'s step, from choose()."""
+    sharded = is_dtensor(p)
+    r = choose(opt._kernels, group, local(p), local(grad), sharded, opt._limiter_enabled(group, p.ndim >= 2))
+    if r.backend is not None:
+        path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
+    elif r.level == 0:
+        path = "plain"
+    else:
+        path = "haar" if opt._impl == "fast" and group["wavelet"] == "haar" else "reference"
+    return path, r.backend, r.grad, r.level
+
+
 def _check(case, monkeypatch=None):
     _, family, options, shape, dtype, gdtype, compile, impl, (path, backend, read, level) = case
     assert path in PATHS
     p, opt = _make(family, options, shape, dtype, compile, impl)
     grad = torch.randn(shape).to(gdtype)
-    route = opt.route(opt.param_groups[0], p, grad)
-    assert (route.path, getattr(route.backend, "name", None), route.grad.dtype, route.level) == \
-        (path, backend, read, level)
-    assert route.transformed == (len(shape) >= 2)
-    if route.grad.dtype == gdtype:
-        assert route.grad is grad  # read as it is: no copy
+    got, fused, read_grad, got_level = route(opt, opt.param_groups[0], p, grad)
+    assert (got, getattr(fused, "name", None), read_grad.dtype, got_level) == (path, backend, read, level)
+    if read_grad.dtype == gdtype:
+        assert read_grad is grad  # read as it is: no copy
 
     # A step takes exactly this route: the ParamStep phase 1 makes carries it.
     seen = []
-    phase1 = GWTOptimizer._phase1
+    phase1 = Stepper._phase1
 
-    def spy(self, q, group, finite=None):
-        ps = phase1(self, q, group, finite)
+    def spy(self, *args):
+        ps = phase1(self, *args)
         seen.append(ps)
         return ps
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(GWTOptimizer, "_phase1", spy)
+        mp.setattr(Stepper, "_phase1", spy)
         p.grad = grad
         opt.step()
     (ps,) = seen
     assert ps.batched == (path == "batched") and getattr(ps.fused, "name", None) == backend
+    assert ps.transformed == (len(shape) >= 2)
     assert (ps.fused is None and ps.carry.coeffs is not None) == (path == "reference")
     assert ps.level == level
 

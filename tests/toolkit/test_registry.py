@@ -65,7 +65,7 @@ def test_gwt_options_reach_the_groups():
     opt = _build("gwt-adamw:level=3:detail_clip=0.5:compile=false:eps=1e-6", model, lr=1e-3)
     gwt = next(g for g in opt.param_groups if g["level"] > 0)
     assert (gwt["level"], gwt["detail_clip"], gwt["eps"]) == (3, 0.5, 1e-6)
-    assert opt._compile is False
+    assert opt._backend == "eager"
     plain = next(g for g in opt.param_groups if g["level"] == 0)
     assert plain["detail_clip"] is None or plain["level"] == 0
 

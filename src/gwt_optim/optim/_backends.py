@@ -1,14 +1,9 @@
-"""What each fused backend supports, as data, and the answer of the one
-function that picks a backend for a parameter.
-
-Every backend class carries a :class:`Capabilities` (``capabilities``); the
-table below is the one place they are written. :meth:`GWTOptimizer.select_backend
-<gwt_optim.optim._base.GWTOptimizer.select_backend>` reads them to pick a
-backend, or says why none fits (a :class:`Choice`), and
-:meth:`~gwt_optim.optim._base.GWTOptimizer.route` maps that answer to a path.
+"""Where a parameter's step runs: what each fused backend declares it can do
+(:class:`Capabilities`), and :func:`choose`, the one function that picks a
+backend from those declarations, or says why none fits.
 
 This module imports only torch: the backends (``_fused``, ``_native``,
-``_triton``) and the optimizer import it.
+``_triton``) and the stepper import it.
 """
 
 from __future__ import annotations
@@ -19,9 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Capabilities", "Choice", "CAPABILITIES", "candidates", "pointer_problems", "check_pointers"]
+__all__ = ["Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose", "moment_dtype",
+           "route_key", "pointer_problems", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+# moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
+MOMENT_DTYPES = {"float32": F32, "bfloat16": BF16, "float64": F64, "int8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Capabilities:
     levels: range
     # A tighter bound on the level for some weight dtypes: (dtype, max level).
     max_level: tuple[tuple[torch.dtype, int], ...] = ()
-    contiguous: bool = True  # needs a contiguous weight and gradient
+    contiguous: bool = True  # needs a contiguous weight and gradient: it walks flat memory
     detail_clip: bool = False  # a clipped form of the details (group["detail_clip"])
     int8_moments: bool = False  # reads moment_dtype="int8" codes
     match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
@@ -46,12 +44,14 @@ class Capabilities:
     # tables per plan of the optimizer's Stepper.
     plans: bool = False
     # phase1 and phase2 apart, around the limiter's all-reduce: DTensor
-    # (FSDP2-sharded) parameters, the "fused" path.
+    # (FSDP2-sharded) parameters.
     dtensor: bool = False
 
-    def refusal(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> str | None:
-        """Why this backend does not take weight ``w`` (local, not a DTensor)
-        with gradient ``G`` and moments of ``moment_dtype`` at ``level``, or None."""
+    def refusal(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int, group: dict,
+                sharded: bool) -> str | None:
+        """Why this backend does not take weight ``w`` (local) with gradient
+        ``G``, moments of ``moment_dtype`` at ``level`` under ``group``'s
+        options, or None."""
         if w.device.type not in self.devices:
             return f"runs on {'/'.join(sorted(self.devices))}, not {w.device.type}"
         if G.device != w.device or G.shape != w.shape:
@@ -65,20 +65,17 @@ class Capabilities:
             return f"does not take level {level} for {w.dtype} weights"
         if self.contiguous and not (w.is_contiguous() and G.is_contiguous()):
             return "needs a contiguous weight and gradient"
+        if group["detail_clip"] is not None and not self.detail_clip:
+            return "has no clipped form of the details (detail_clip)"
+        if group["match_rms"] and level > 0 and not self.match_rms:
+            return "has no row-RMS match of the update (match_rms)"
+        if group["moment_dtype"] == "int8" and not self.int8_moments:
+            return "does not read int8 moments"
+        if level == 0 and not self.batched:
+            return "does not run whole plain steps"
+        if sharded and not self.dtensor:
+            return "has no separate phases for a sharded parameter"
         return None
-
-
-@dataclass(frozen=True)
-class Choice:
-    """:meth:`~gwt_optim.optim._base.GWTOptimizer.select_backend`'s answer for one parameter."""
-
-    backend: Any  # a built and prepared backend, or None for an eager path
-    # The local gradient as the answer reads it: in its own dtype where the
-    # backend takes that dtype, else in the compute dtype (at least fp32).
-    grad: Tensor
-    level: int  # the group's level; 0 for parameters with fewer than two dimensions
-    transformed: bool  # two or more dimensions: the wavelet step, scale and limiter apply
-    reason: str | None  # why no backend fits (None when one does)
 
 
 def _product(weights, grads, moments) -> frozenset:
@@ -123,15 +120,69 @@ CAPABILITIES: dict[str, Capabilities] = {
     ),
 }
 
-# The backends compile=None/True tries per device type for a transformed step.
+# The backends "auto" tries per device type for a transformed step.
 _AUTO = {"cpu": ("native",), "cuda": ("triton",)}
 
 
-def candidates(compile: bool | str | None, device_type: str, level: int) -> list[tuple[str, bool]]:
-    """GWT-AdamW's backends to try, in order, for a step at ``level`` on
-    ``device_type`` under ``compile`` (not False), each with whether a
-    failure to build or prepare it is the user's to see (a warning with
-    ``compile=None``, an error otherwise) rather than a silent fall-through.
+@dataclass(frozen=True)
+class Route:
+    """:func:`choose`'s answer for one parameter."""
+
+    backend: Any  # a built and prepared fused backend, or None: the family's eager halves
+    # The local gradient as the step reads it: in its own dtype where the
+    # backend takes that dtype, else in the compute dtype (at least fp32).
+    grad: Tensor
+    level: int  # the group's level; 0 for parameters with fewer than two dimensions
+    reason: str | None  # why no backend fits (None when one does)
+
+
+def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool) -> Route:
+    """The fused backend that runs the step of weight ``w`` (local) with
+    gradient ``g`` in ``group``, or why none does: the one place that decides
+    it, from the parameter's bucket (the group's options, device, dtypes,
+    level and layout) and what each backend declares.
+
+    ``kernels`` holds the family's backends under its ``backend=`` option
+    (:class:`gwt_optim.optim._fused.Kernels`; None: the family has none).
+    A kernel computes a transformed Haar step, or at level 0 the plain
+    family's (no limiter (``limited``), alpha 1, an unsharded tensor). The
+    :func:`candidates` are tried in order, with the gradient in its own dtype
+    (a backend that reads it takes it without a copy) and then in the compute
+    dtype; the first whose :meth:`Capabilities.refusal` is None and that
+    builds and prepares wins.
+    """
+    level = group["level"] if w.ndim >= 2 else 0
+    cdt = torch.promote_types(w.dtype, F32)
+    reason = "the family has no fused kernels" if kernels is None else kernels.refusal(group)
+    if reason is None and level > 0 and group["wavelet"] != "haar":
+        reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
+    if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or (w.ndim >= 2 and group["scale"] != 1)):
+        reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
+    if reason is not None:
+        return Route(None, g.to(cdt), level, reason)
+    md = moment_dtype(group, cdt)
+    names = candidates(kernels.backend, w.device.type, level)
+    refusals = [] if names else [f"no backend for level {level} on {w.device.type} under backend={kernels.backend!r}"]
+    while True:
+        for name, last in names:
+            backend = kernels.get(name, last)
+            why = "unavailable (it failed to build)" if backend is None else \
+                backend.capabilities.refusal(w, g, md, level, group, sharded)
+            if why is None:
+                if kernels.prepare(backend, w, g, md, level, last):
+                    return Route(backend, g, level, None)
+                why = "failed to compile for this parameter"
+            refusals.append(f"{name}: {why}")
+        if g.dtype == cdt:
+            return Route(None, g, level, "; ".join(refusals))
+        g = g.to(cdt)
+
+
+def candidates(backend: str, device_type: str, level: int) -> list[tuple[str, bool]]:
+    """The backends to try, in order, for a step at ``level`` on
+    ``device_type`` under the ``backend`` option (not "eager"), each with
+    whether it is the last choice (its failure to build or prepare is the
+    user's to see: a warning, or an error for a named backend).
 
     Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
     ``torch._fused_adamw_`` on CPU, then the native kernels (bf16 weights with
@@ -139,11 +190,24 @@ def candidates(compile: bool | str | None, device_type: str, level: int) -> list
     elsewhere; a named backend without that device's level-0 step gives none.
     A transformed step takes the named backend, or the device's."""
     if level == 0:
-        if device_type == "cpu" and compile != "triton":
-            return [("fused_adamw", False)] + ([("native", False)] if compile in (None, True, "native") else [])
-        return [("triton", False)] if compile in (None, True, "triton") else []
-    names = (compile,) if isinstance(compile, str) else _AUTO.get(device_type, ())
+        if device_type == "cpu" and backend != "triton":
+            return [("fused_adamw", False)] + ([("native", False)] if backend in ("auto", "native") else [])
+        return [("triton", False)] if backend in ("auto", "triton") else []
+    names = _AUTO.get(device_type, ()) if backend == "auto" else (backend,)
     return [(name, i == len(names) - 1) for i, name in enumerate(names)]
+
+
+def moment_dtype(group: dict, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the group's moments: its ``moment_dtype``, else the compute dtype."""
+    md = group["moment_dtype"]
+    return MOMENT_DTYPES[md] if md is not None else compute_dtype
+
+
+def route_key(group: dict) -> tuple:
+    """The group options that choose each parameter's backend and state,
+    rather than only a kernel's arguments: a change makes a new step plan."""
+    return (group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
+            group["norm_growth_limit"] is None, group["detail_clip"] is None, group["match_rms"])
 
 
 def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> list[str]:

@@ -178,9 +178,6 @@ class NativeBackend:
         self._workspace: dict[torch.dtype, Tensor] = {}
         self._owner: dict[torch.dtype, weakref.ref] = {}
 
-    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        return self.capabilities.refusal(w, G, moment_dtype, level) is None
-
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to do: the library was built in ``__init__``."""
 
@@ -202,7 +199,7 @@ class NativeBackend:
         """Whole steps (phase 1, limiter, phase 2) of many parameters; returns
         those skipped for a non-finite gradient (weight and state unchanged).
 
-        ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._base.ParamStep`
+        ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._stepper.ParamStep`
         of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
         ``decay`` = 1 - lr * weight_decay. The kernels read and write the
         limiter's norm ``state["limiter_norm"]`` in place.
@@ -214,7 +211,7 @@ class NativeBackend:
 
     def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
         """:meth:`step_many` for one of the optimizer's plans (a list of
-        :class:`~gwt_optim.optim._base.StepBatch`; ``key`` names the plan, and
+        :class:`~gwt_optim.optim._stepper.StepBatch`; ``key`` names the plan, and
         a new list under a key replaces the old one): the task arrays are made
         once per list, and afterwards only the gradients' addresses and the
         per-step scalars are written into them."""

@@ -1,7 +1,8 @@
-"""Checks on saved state: before :meth:`GWTOptimizer.load_state_dict` loads
-any of a state dict (which optimizer saved it, and whether every saved state
-tensor fits its parameter at its group's level; nothing is changed when one
-fails), and before an eager step uses an existing state."""
+"""Checks on state: before :meth:`GWTOptimizer.load_state_dict` loads any of
+a state dict (which optimizer saved it, and whether every saved state tensor
+fits its parameter at its group's level; nothing is changed when one fails),
+and before a step uses an existing state (:func:`state_problem`, the one
+check of a state's tensors)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
-from gwt_optim.optim._fused import state_shape_problem
 
-__all__ = ["approx_shape", "check_family", "check_saved_state", "eager_state_problem"]
+__all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "state_problem"]
 
 
 def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
@@ -26,6 +26,55 @@ def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int,
     else:  # longer filters add boundary coefficients: ask the transform itself
         k = wavelets.wavedec(torch.zeros(1, n), level, wavelet, dim=-1).approx.shape[-1]
     return (*shape[:-1], k)
+
+
+def describe(groups: list[dict], p: Tensor) -> str:
+    """``parameter i of group j (shape ...)``, for messages (a scan: errors only)."""
+    for gi, group in enumerate(groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+    return f"a parameter of shape {tuple(p.shape)}"
+
+
+def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | None = None, G: Tensor | None = None,
+                  fused_dtype: torch.dtype | None = None) -> str | None:
+    """Why ``state`` cannot take a level-``level`` step, or None: every tensor
+    of ``spec`` (name -> the shape the family makes for this parameter and
+    level) there and of its shape. With the weight ``w`` (a live state, not a
+    saved one): on its device, of a floating (or int8 code) dtype. For the
+    fused kernels, which index the state through raw pointers sized by the
+    weight (``fused_dtype``: the moments' dtype they read), also of that dtype
+    and contiguous, beside a contiguous weight and gradient ``G`` of one shape
+    and a one-element limiter norm."""
+    saved = "the saved " if w is None else ""
+    if fused_dtype is not None:
+        if G.shape != w.shape:
+            return f"its gradient has shape {tuple(G.shape)}, the parameter {tuple(w.shape)}"
+        if G.device != w.device:
+            return f"its gradient is on {G.device}, the parameter on {w.device}"
+        if not (w.is_contiguous() and G.is_contiguous()):
+            return "the fused kernels need a contiguous parameter and gradient"
+    for key, shape in spec.items():
+        t = state.get(key)
+        if not isinstance(t, Tensor):
+            return f"{saved or 'its '}state has no tensor {key!r} (keys: {sorted(state)})"
+        if tuple(t.shape) != tuple(shape):
+            return (f"{saved}state {key!r} has shape {tuple(t.shape)}, but level {level} needs {tuple(shape)}: "
+                    "the state belongs to another model, parameter (order) or level")
+        if w is None:
+            continue
+        if t.device != w.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
+            return f"state {key!r} is a {t.dtype} tensor on {t.device}, the parameter is on {w.device}"
+        if fused_dtype is not None and t.dtype != fused_dtype:
+            return (f"state {key!r} is {t.dtype} but the group's moments are {fused_dtype}; set the group's "
+                    "moment_dtype to match the checkpoint, or pass backend='eager'")
+        if fused_dtype is not None and not t.is_contiguous():
+            return f"state {key!r} is not contiguous"
+    s = state.get("limiter_norm")
+    if fused_dtype is not None and s is not None and not (isinstance(s, Tensor) and s.numel() == 1):
+        return f"state 'limiter_norm' must be a one-element tensor, got {s!r}"
+    return None
 
 
 def _guess_family(keys: set[str], families: dict[str, str | None]) -> str | None:
@@ -76,44 +125,12 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
                 continue
             transformed = p.ndim >= 2
             level = options["level"] if transformed else 0
+            where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
             try:
-                approx = approx_shape(tuple(p.shape), level, options["wavelet"])
-                spec = opt._expected_state(options, approx, transformed)
+                spec = opt._expected_state(options, approx_shape(tuple(p.shape), level, options["wavelet"]),
+                                           transformed)
             except Exception as exc:  # options a family cannot build state for
-                raise ValueError(
-                    f"{opt._family}: parameter {pi} of group {gi} (shape {tuple(p.shape)}): "
-                    f"cannot check its saved state ({exc})"
-                ) from exc
-            for key, shape in spec.items():
-                t = st.get(key)
-                if not isinstance(t, Tensor):
-                    problem = f"the saved state has no tensor {key!r} (keys: {sorted(st)})"
-                elif tuple(t.shape) != shape:
-                    problem = (
-                        f"the saved state {key!r} has shape {tuple(t.shape)}, but level {level} needs {shape}: "
-                        "the state dict belongs to another model, parameter order or level"
-                    )
-                else:
-                    continue
-                where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
+                raise ValueError(f"{opt._family}: {where}: cannot check its saved state ({exc})") from exc
+            problem = state_problem(st, spec, level)
+            if problem is not None:
                 raise ValueError(f"{opt._family}: {where}: {problem}")
-
-
-def eager_state_problem(opt: Any, group: dict, state: dict, G: Tensor, level: int, moment_dtype,
-                        transformed: bool) -> str | None:
-    """What makes an existing state unfit for this eager step of ``opt`` (its
-    gradient ``G`` in the compute dtype), or None (the fused paths check with
-    :func:`gwt_optim.optim._fused.state_problem`)."""
-    key = (id(group), tuple(G.shape), level, group["wavelet"], transformed, moment_dtype)
-    spec = opt._state_specs.get(key)
-    if spec is None:
-        spec = opt._state_specs[key] = opt._expected_state(group, approx_shape(tuple(G.shape), level, group["wavelet"]),
-                                                           transformed)
-    for name, shape in spec.items():
-        problem = state_shape_problem(state, name, shape, level)
-        if problem is not None:
-            return problem
-        t = state[name]
-        if t.device != G.device or not (t.is_floating_point() or t.dtype == torch.uint8):  # uint8: int8 codes
-            return f"state {name!r} is a {t.dtype} tensor on {t.device}, the step runs in {G.dtype} on {G.device}"
-    return None

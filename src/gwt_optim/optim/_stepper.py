@@ -1,33 +1,38 @@
-"""What runs a step's routed parameters, and the plan that lets it repeat.
+"""The machinery of one ``step()``: each parameter's backend
+(:func:`~gwt_optim.optim._backends.choose`), its state created or checked and
+its step counted, the family's eager halves around the limiter, and the
+batched fused backends under a :class:`Plan` that repeats a step while nothing
+it depends on has changed.
 
-:class:`GWTOptimizer` routes each parameter with a gradient
-(:meth:`~gwt_optim.optim._base.GWTOptimizer.route`) and runs phase 1 of it
-(:class:`ParamStep`). Those the route hands to a *batched* fused backend (all
-GWT-AdamW weights on CUDA, most on CPU) then take their whole step in one call
-per backend. :class:`Stepper` runs them, and keeps a :class:`Plan` of it: the
-routing, checks and ParamSteps of the last step, repeated while nothing they
-depend on has changed. A plan covers a *scope*: every parameter
-(:meth:`Stepper.step`, key :data:`STEP`) or one (:meth:`Stepper.step_param`,
-key ``id(param)``, for ``step_in_backward``). One plan type serves both.
-
-This module sits below the optimizer: it knows the optimizer only through
-:class:`Host`, the few methods listed there.
+A plan covers a *scope*: every parameter (:meth:`Stepper.step`, key
+:data:`STEP`) or one (:meth:`Stepper.step_param`, key ``id(param)``, for
+``step_in_backward``). The stepper reads the optimizer's state and groups and
+calls the family's rule (its state and its two halves); it returns what it
+skipped for a non-finite gradient, which the optimizer counts.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import Tensor
 
+from gwt_optim.optim._backends import choose, moment_dtype, route_key
 from gwt_optim.optim._family import group_lr
-from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor
+from gwt_optim.optim._fused import all_finite
+from gwt_optim.optim._saved import approx_shape, describe, state_problem
+from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
+                                      reduce_limiter_norms)
+from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor, compute_dtype, limiter_ratio
 
-__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "Host", "STEP", "make_plan", "plannable",
-           "run_unplanned"]
+__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "STEP", "make_plan", "plannable", "untraced",
+           "caller_stacklevel"]
 
 #: The key of the plan over every parameter (step_param's plans are keyed by id(param)).
 STEP = "step"
@@ -47,20 +52,20 @@ def _same(a: list, b: list) -> bool:
 
 @dataclass
 class ParamStep:
-    """What phase 1 of a step leaves for phase 2, for one parameter."""
+    """One parameter's step between its phases."""
 
     param: Tensor  # the (local) parameter tensor
     full_param: Tensor  # the parameter as the user holds it (maybe a DTensor)
     # The (local) gradient: in its own dtype when the fused backend reads that
-    # dtype (GWTOptimizer.route), else in the compute dtype.
+    # dtype, else in the compute dtype.
     grad: Tensor
-    state: dict
+    state: dict  # the (local) state
     group: dict
-    transformed: bool
+    transformed: bool  # two or more dimensions: the wavelet step, scale and limiter apply
     level: int
     limited: bool = False
-    norm_sq: Tensor | float | None = None  # a float from fused CPU kernels
-    fused: Any = None  # the fused kernel backend running this parameter, if any
+    norm_sq: Tensor | float | None = None  # the limiter's ||U||^2 (a float from the native kernels)
+    fused: Any = None  # the fused backend running this parameter, if any
     # What phase 1 leaves for phase 2: the fused backend's carry, or the
     # eager path's functional.Moments (the family's first half).
     carry: Any = None
@@ -93,26 +98,11 @@ class StepBatch:
     decay: float = 1.0  # 1 - lr * weight_decay
 
 
-class Host(Protocol):
-    """What the stepper needs of the optimizer."""
-
-    state: Any  # param -> state dict
-    param_groups: list[dict]
-
-    def _route_key(self, group: dict) -> tuple:
-        """The group options that choose paths and state shapes: a change makes a new plan."""
-
-    def _step_params(self, params: list[tuple[Tensor, dict]], batched: list[ParamStep],
-                     deferred: list[ParamStep]) -> None:
-        """Phase 1 of each (parameter, group) with every check; phase 2 now,
-        or the ParamStep queued in ``batched`` (batched backends) or
-        ``deferred`` (the limiter's collective)."""
-
-    def _finish(self, batched: list[ParamStep], deferred: list[ParamStep]) -> None:
-        """Run what ``_step_params`` queued and no plan took."""
-
-    def _count_skipped(self, skipped: tuple | list) -> None:
-        """Record what a batched backend skipped for a non-finite gradient."""
+def _scalars(group: dict, step: int, alpha: float) -> tuple[float, float]:
+    """A fused step's (scale, decay): the kernels are GWT-AdamW's, so the step
+    factor is Adam's bias correction."""
+    lr = group_lr(group)
+    return alpha * lr * adam_step_factor(step, *group["betas"]), 1 - lr * group["weight_decay"]
 
 
 def plannable(ps: ParamStep) -> bool:
@@ -133,13 +123,13 @@ class Plan:
     key: Hashable  # STEP, or id(param) for step_param's; the backends cache by it
     state: dict  # the optimizer's state mapping it was made with
     groups: list[dict]  # the scope's groups: the batches read their lr and weight decay
-    routes: list[tuple]  # _route_key of each of them
+    routes: list[tuple]  # route_key of each of them
     params: list[Tensor]  # every parameter of the scope, in group order
     states: list[dict]  # the scope's state dicts, in their order
-    rest: list[tuple[Tensor, dict]]  # (parameter, group) of the scope's others: full path every step
-    fast: list[ParamStep]  # the planned parameters' steps, reused
-    fast_params: list[Tensor]
-    fast_states: list[dict]
+    rest: list[tuple[Tensor, dict]]  # (parameter, group) of the scope's others: every check every step
+    steps: list[ParamStep]  # the planned parameters' steps, reused
+    step_params: list[Tensor]
+    step_states: list[dict]
     # Of each planned parameter, _layout: its gradient's dtype and contiguity,
     # its address and shape, and the weight's and the gradient's strides
     # (p.data = p.data.t() keeps a square weight's address and shape, and the
@@ -152,54 +142,47 @@ class Plan:
     batches: list[tuple[Any, list[StepBatch]]]  # per backend
     flat: list[StepBatch]  # the same StepBatches in one list
 
-    @property
-    def grad_specs(self) -> list[tuple]:
-        """(dtype, contiguous) of each planned gradient."""
-        return [layout[:2] for layout in self.layouts]
-
     def holds_scope(self, groups: list[dict], params: list[Tensor], states: list) -> bool:
         """Whether the scope is as it was: the same group dicts (the batches
         read their lr and weight decay), parameters and state dicts, in order
         (no hashing of parameters: one replaced, added or removed shows)."""
-        return (_same(groups, self.groups) and _same(params, self.params) and _same(states, self.states))
+        return _same(groups, self.groups) and _same(params, self.params) and _same(states, self.states)
 
-    def grads(self, host: Host) -> list[Tensor] | None:
+    def grads(self, state: dict) -> list[Tensor] | None:
         """The planned parameters' gradients if this step may repeat the plan,
-        else None, once its owner has found its scope as it was
-        (:meth:`holds_scope` for every parameter; :meth:`Stepper.step_param`
-        compares its one parameter, group and state dict directly). It may with the
+        else None, once its owner has found its scope as it was: with the
         groups' routing options and the step counts as they were (nothing
         wrote them but the plan), the planned parameters and their state
         tensors as they were (see :class:`StepBatch`), and gradients the
         backends take the same way."""
-        if (self.state is not host.state or self.counter._version != self.version
-                or list(map(host._route_key, self.groups)) != self.routes):
+        if (self.state is not state or self.counter._version != self.version
+                or list(map(route_key, self.groups)) != self.routes):
             return None
-        fast = self.fast_params
-        grads = list(map(_grad, fast))
+        params = self.step_params
+        grads = list(map(_grad, params))
         try:
             # torch's grad setter keeps a gradient's shape and device the
             # parameter's; a sparse one is not contiguous.
-            if list(map(_layout, fast, grads)) != self.layouts:
+            if list(map(_layout, params, grads)) != self.layouts:
                 return None
         except AttributeError:  # a gradient is None
             return None
-        values = [v for st in self.fast_states for v in st.values()]
+        values = [v for st in self.step_states for v in st.values()]
         if _same(values, self.values) and list(map(_data_ptr, values)) == self.addresses:
             return grads
         return None
 
-    def run(self, host: Host, grads: list[Tensor] | None) -> None:
+    def run(self, grads: list[Tensor] | None, skipped: list) -> None:
         """The planned parameters' whole steps, one call per backend. With
         ``grads`` (a repeated plan) their step counts advance here; otherwise
-        phase 1 has advanced them and left the gradients."""
+        the checks have advanced them and left the gradients."""
         if grads is not None:
             flat = self.flat
             if len(flat) == 1:  # one step count (step_param's plans): fill_ costs a seventh of add_(1)
                 self.counter.fill_(flat[0].step + 1)
             else:
                 self.counter.add_(1)
-            for ps, g in zip(self.fast, grads):
+            for ps, g in zip(self.steps, grads):
                 ps.grad = g
             for batch in flat:
                 batch.step += 1
@@ -209,156 +192,322 @@ class Plan:
         try:
             for backend, batches in self.batches:
                 for batch in batches:
-                    batch_scalars(host, batch)
+                    batch.scale, batch.decay = _scalars(batch.group, batch.step, batch.group["scale"] if batch.scaled
+                                                        else 1.0)
                 if backend.capabilities.plans:
-                    host._count_skipped(backend.step_batches(batches, LIMITER_EPS, key=self.key))
+                    skipped.append(backend.step_batches(batches, LIMITER_EPS, key=self.key))
                 else:
-                    items = [(ps, b.scale, b.decay) for b in batches for ps in b.steps]
-                    host._count_skipped(backend.step_many(items, LIMITER_EPS))
+                    skipped.append(backend.step_many([(ps, b.scale, b.decay) for b in batches for ps in b.steps],
+                                                     LIMITER_EPS))
         finally:
             # The plan outlives the step; the gradients must not (zero_grad frees them).
-            for ps in self.fast:
+            for ps in self.steps:
                 ps.grad = None
 
-    def backends(self) -> list[Any]:
-        return [backend for backend, _ in self.batches]
 
-
-def batch_scalars(host: Host, batch: StepBatch) -> None:
-    """This step's ``scale`` and ``decay`` of a StepBatch, from its group."""
-    group = batch.group
-    lr = group_lr(group)
-    alpha = group["scale"] if batch.scaled else 1.0
-    # The fused kernels are GWT-AdamW's: c_t is Adam's bias correction.
-    batch.scale = alpha * lr * adam_step_factor(batch.step, *group["betas"])
-    batch.decay = 1 - lr * group["weight_decay"]
-
-
-def run_unplanned(host: Host, steps: list[ParamStep]) -> None:
-    """Hand the batched whole steps no plan holds to their backends, with the
-    family's step factor and the decoupled weight decay."""
-    by_backend: dict[int, tuple[Any, list]] = {}
-    for ps in steps:
-        lr = group_lr(ps.group)
-        scale = (ps.group["scale"] if ps.transformed else 1.0) * lr * adam_step_factor(ps.step, *ps.group["betas"])
-        entry = by_backend.setdefault(id(ps.fused), (ps.fused, []))
-        entry[1].append((ps, scale, 1 - lr * ps.group["weight_decay"]))
-    for backend, items in by_backend.values():
-        host._count_skipped(backend.step_many(items, LIMITER_EPS))
-
-
-def make_plan(host: Host, key: Hashable, batched: list[ParamStep], pairs: list[tuple[Tensor, dict]],
+def make_plan(state: dict, key: Hashable, batched: list[ParamStep], pairs: list[tuple[Tensor, dict]],
               groups: list[dict], states: list[dict]) -> tuple[Plan | None, list[ParamStep]]:
     """A plan over the scope ``pairs`` (of ``groups``, with state dicts
-    ``states``) from this step's batched ParamSteps (made by phase 1 with
-    every check), and those it leaves to ``_finish``: see :func:`plannable`."""
-    fast, left = [], []
+    ``states``) from this step's batched ParamSteps (made with every check),
+    and those it leaves to be run unplanned: see :func:`plannable`."""
+    planned, left = [], []
     for ps in batched:
-        (fast if plannable(ps) else left).append(ps)
-    if not fast:
+        (planned if plannable(ps) else left).append(ps)
+    if not planned:
         return None, left
-    planned = {id(ps.full_param) for ps in fast}
-    counter = torch.stack([ps.state["step"] for ps in fast])
-    for i, ps in enumerate(fast):
+    ids = {id(ps.full_param) for ps in planned}
+    counter = torch.stack([ps.state["step"] for ps in planned])
+    for i, ps in enumerate(planned):
         ps.state["step"] = counter[i]
     batches: dict[tuple, StepBatch] = {}
     by_backend: dict[int, tuple[Any, list[StepBatch]]] = {}
-    for ps in fast:
-        # alpha = 1 (a _route_key option) lets weights and vectors share launches.
+    for ps in planned:
+        # alpha = 1 (a route_key option) lets weights and vectors share launches.
         bkey = (id(ps.fused), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
         batch = batches.get(bkey)
         if batch is None:
             batch = batches[bkey] = StepBatch([], ps.group, ps.step, bkey[-1])
             by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append(batch)
         batch.steps.append(ps)
-    fast_params = [ps.full_param for ps in fast]
-    values = [v for ps in fast for v in ps.state.values()]
+    values = [v for ps in planned for v in ps.state.values()]
     plan = Plan(
-        key=key,
-        state=host.state,
-        groups=list(groups),
-        routes=[host._route_key(g) for g in groups],
-        params=[p for p, _ in pairs],
-        states=states,
-        rest=[(p, g) for p, g in pairs if id(p) not in planned],
-        fast=fast,
-        fast_params=fast_params,
-        fast_states=[ps.state for ps in fast],
-        layouts=[_layout(ps.full_param, ps.grad) for ps in fast],
-        values=values,
-        addresses=list(map(_data_ptr, values)),
-        counter=counter,
-        version=counter._version,
-        batches=list(by_backend.values()),
-        flat=list(batches.values()),
+        key=key, state=state, groups=list(groups), routes=[route_key(g) for g in groups],
+        params=[p for p, _ in pairs], states=states, rest=[(p, g) for p, g in pairs if id(p) not in ids],
+        steps=planned, step_params=[ps.full_param for ps in planned], step_states=[ps.state for ps in planned],
+        layouts=[_layout(ps.full_param, ps.grad) for ps in planned], values=values,
+        addresses=list(map(_data_ptr, values)), counter=counter, version=counter._version,
+        batches=list(by_backend.values()), flat=list(batches.values()),
     )
     return plan, left
 
 
 class Stepper:
-    """Takes a step's parameters through phase 1 (the host's), and runs the
+    """Takes a step's parameters through their checks and phases, and runs the
     batched ones under a :class:`Plan` per scope: ``plans[STEP]`` for
-    :meth:`step`, ``plans[id(p)]`` for :meth:`step_param`."""
+    :meth:`step`, ``plans[id(p)]`` for :meth:`step_param`. ``skipped``
+    collects the parameters skipped for a non-finite gradient and the fused
+    backends' running device counts of them."""
 
     def __init__(self) -> None:
         self.plans: dict[Hashable, Plan] = {}
+        # The family's state shapes per (group, gradient shape, level, ...), for state_problem.
+        self.specs: dict[tuple, dict[str, tuple]] = {}
 
-    def step(self, host: Host) -> None:
-        """One step of every parameter of ``host`` with a gradient."""
-        groups = host.param_groups
-        deferred: list[ParamStep] = []
+    def step(self, opt: Any, skipped: list) -> None:
+        """One step of every parameter of ``opt`` with a gradient."""
+        groups, state = opt.param_groups, opt.state
         batched: list[ParamStep] = []
+        deferred: list[ParamStep] = []
         plan = self.plans.get(STEP)
         grads = None
         if plan is not None and plan.holds_scope(groups, [p for g in groups for p in g["params"]],
-                                                 list(host.state.values())):
-            grads = plan.grads(host)
+                                                 list(state.values())):
+            grads = plan.grads(state)
         if grads is not None:
             if plan.rest:
-                host._step_params(plan.rest, batched, deferred)
+                self._each(opt, plan.rest, batched, deferred, skipped)
                 # A parameter joined the batched kernels: plan again next time.
                 # (One the plan cannot hold, a gradient cast on every step, stays out.)
                 if any(map(plannable, batched)):
                     del self.plans[STEP]
-            plan.run(host, grads)
+            plan.run(grads, skipped)
         else:
             self.plans.pop(STEP, None)
             pairs = [(p, g) for g in groups for p in g["params"]]
-            host._step_params(pairs, batched, deferred)
-            plan, batched = make_plan(host, STEP, batched, pairs, groups, list(host.state.values()))
+            self._each(opt, pairs, batched, deferred, skipped)
+            plan, batched = make_plan(state, STEP, batched, pairs, groups, list(state.values()))
             if plan is not None:
                 self.plans[STEP] = plan
-                plan.run(host, None)
-        host._finish(batched, deferred)
+                plan.run(None, skipped)
+        self._finish(opt, batched, deferred, skipped)
 
-    def step_param(self, host: Host, p: Tensor, group: dict) -> None:
+    def step_param(self, opt: Any, p: Tensor, group: dict, skipped: list) -> None:
         """The step of ``p`` alone, as :meth:`step` takes it, under a plan of its own."""
         key = id(p)
         plan = self.plans.get(key)
         if plan is not None:
             # Its scope, one parameter: the same parameter, group and state dict.
-            same = plan.params[0] is p and plan.groups[0] is group and plan.states[0] is host.state.get(p)
-            grads = plan.grads(host) if same else None
+            same = plan.params[0] is p and plan.groups[0] is group and plan.states[0] is opt.state.get(p)
+            grads = plan.grads(opt.state) if same else None
             if grads is not None:
-                plan.run(host, grads)
+                plan.run(grads, skipped)
                 return
             del self.plans[key]
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
-        host._step_params([(p, group)], batched, deferred)
-        plan, batched = make_plan(host, key, batched, [(p, group)], [group], [host.state.get(p)])
+        self._each(opt, [(p, group)], batched, deferred, skipped)
+        plan, batched = make_plan(opt.state, key, batched, [(p, group)], [group], [opt.state.get(p)])
         if plan is not None:
             self.plans[key] = plan
-            plan.run(host, None)
-        host._finish(batched, deferred)
+            plan.run(None, skipped)
+        self._finish(opt, batched, deferred, skipped)
 
     def drop(self) -> None:
-        """Forget every plan, and the tables their backends keep for them:
-        those reach the old state tensors, which a loaded state dict replaces
-        (kept, they would hold a second copy of the moments until each
-        parameter's next step)."""
-        backends = {id(b): b for plan in self.plans.values() for b in plan.backends()}
+        """Forget every plan and state shape, and the tables their backends
+        keep for the plans: those reach the old state tensors, which a loaded
+        state dict replaces (kept, they would hold a second copy of the
+        moments until each parameter's next step)."""
+        backends = {id(b): b for plan in self.plans.values() for b, _ in plan.batches}
         for backend in backends.values():
             if backend.capabilities.plans:
                 backend.invalidate()
         self.plans = {}
+        self.specs = {}
+
+    def _each(self, opt: Any, pairs: list[tuple[Tensor, dict]], batched: list[ParamStep],
+              deferred: list[ParamStep], skipped: list) -> None:
+        """Every check and phase 1 of each ``(parameter, group)`` with a
+        gradient; then phase 2 now, or the ParamStep queued for the batched
+        kernels (``batched``) or behind the limiter's collective (``deferred``)."""
+        sharded = [p for p, _ in pairs if p.grad is not None and is_dtensor(p)]
+        finite = finite_across_ranks(sharded) if sharded else {}
+        if len(pairs) > 1:
+            # The eager path checks every gradient itself: where reading the
+            # answer waits for the device, all of them at once.
+            eager = [p for p, g in pairs if p.grad is not None and not is_dtensor(p) and not p.grad.is_sparse
+                     and p.numel() and (opt._kernels is None or opt._kernels.refusal(g) is not None)
+                     and _check_waits(p.grad)]
+            if eager:
+                finite.update(_finite_at_once(eager))
+        for p, group in pairs:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+            if p.numel() == 0:
+                continue  # nothing to update, and no state to keep
+            ps = self._phase1(opt, p, group, finite.get(id(p)), skipped)
+            if ps is None:  # skipped, a non-finite gradient
+                continue
+            if ps.batched:
+                batched.append(ps)
+            elif _needs_collective(ps):
+                deferred.append(ps)
+            else:
+                _phase2(opt, ps)
+
+    def _phase1(self, opt: Any, p: Tensor, group: dict, finite: bool | None, skipped: list) -> ParamStep | None:
+        """The backend, the state (created, or checked), the step count; then,
+        with a finite gradient (``finite``: known already, else read here),
+        the step's first half: the fused backend's phase 1 or the family's
+        eager moments. A batched step runs later, whole."""
+        state, w, sharded = opt.state[p], local(p), is_dtensor(p)
+        if sharded:
+            check_sharding(p)
+        transformed = p.ndim >= 2
+        limited = opt._limiter_enabled(group, transformed)
+        route = choose(opt._kernels, group, w, local(p.grad), sharded, limited)
+        G, level, fused = route.grad, route.level, route.backend
+        batched = fused is not None and fused.capabilities.batched and not sharded
+        if finite is None and not batched:
+            # Batched kernels check the gradient themselves, before they change anything.
+            finite = bool(torch.isfinite(G).all())
+        cdt = compute_dtype(w)
+        md = moment_dtype(group, cdt)
+        new = "step" not in state
+        if new:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # Only A_l's shape (an eager level-0 step: the gradient's own layout).
+            approx = G if level == 0 and fused is None else G.new_empty(
+                approx_shape(tuple(G.shape), level, group["wavelet"]), dtype=cdt)
+            opt._init_family_state(group, state, approx, md, transformed)
+            if limited:
+                state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
+            if sharded:
+                distribute_state(p, w, state)
+        # Families see (and update in place) the local shards of their state.
+        lstate = {k: local(v) for k, v in state.items()} if sharded else state
+        if not new:
+            # A loaded state, or a level changed since: fused kernels would
+            # index out of bounds, eager ones fail somewhere inside.
+            key = (id(group), tuple(G.shape), level, group["wavelet"], transformed, md)
+            spec = self.specs.get(key)
+            if spec is None:
+                shape = approx_shape(tuple(G.shape), level, group["wavelet"])
+                spec = self.specs[key] = opt._expected_state(group, shape, transformed)
+            problem = state_problem(lstate, spec, level, w, G, md if fused is not None else None)
+            if problem is not None:
+                raise ValueError(f"{opt._family}: {describe(opt.param_groups, p)}: {problem}")
+        # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
+        step = int(state["step"].item()) + 1
+        state["step"].fill_(step)
+        if finite is False:
+            skipped.append(p)
+            return None
+        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, fused=fused, step=step, batched=batched)
+        if batched:
+            return ps
+        if fused is not None:
+            norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
+        else:  # the family's first half (functional.gwt_*_moments)
+            ps.carry = opt._moments(group, lstate, w, G, step)
+        if limited:
+            ps.norm_sq = norm_sq if fused is not None else ps.carry.norm_sq()
+        return ps
+
+    def _finish(self, opt: Any, batched: list[ParamStep], deferred: list[ParamStep], skipped: list) -> None:
+        """The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves."""
+        by_backend: dict[int, tuple[Any, list]] = {}
+        for ps in batched:
+            scale, decay = _scalars(ps.group, ps.step, ps.group["scale"] if ps.transformed else 1.0)
+            by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append((ps, scale, decay))
+        for backend, items in by_backend.values():
+            skipped.append(backend.step_many(items, LIMITER_EPS))
+        reduce_limiter_norms(deferred)
+        for ps in deferred:
+            _phase2(opt, ps)
+
+
+def _phase2(opt: Any, ps: ParamStep) -> None:
+    """Fira's limiter (``r``, and ``s`` in the state), then the step's second
+    half: the family's eager ``_apply`` or the fused backend's phase 2."""
+    group = ps.group
+    r = limiter_ratio(ps.norm_sq, ps.state["limiter_norm"], ps.step, group["norm_growth_limit"]) if ps.limited \
+        else 1.0
+    if ps.fused is None:
+        opt._apply(group, ps.param, ps.carry, r, ps.step)
+        return
+    lr = group_lr(group)
+    step_size = lr * adam_step_factor(ps.step, *group["betas"])
+    scale = group["scale"] if ps.transformed else 1.0
+    ps.fused.phase2(ps.param, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
+
+
+def _needs_collective(ps: ParamStep) -> bool:
+    """Whether phase 2 must wait for the all-reduce of the limiter's norms (FSDP2)."""
+    return ps.limited and is_dtensor(ps.full_param)
+
+
+def _check_waits(grad: Tensor) -> bool:
+    """Whether reading whether ``grad`` is finite waits for its device."""
+    return grad.device.type != "cpu"
+
+
+def _finite_at_once(params: list[Tensor]) -> dict[int, bool]:
+    """Whether each parameter's gradient is finite, by id: one foreach norm
+    and one read per device and dtype, instead of a host synchronization per
+    parameter (which on a GPU stalls every parameter's launches behind the
+    previous one's kernels)."""
+    by_device: dict[tuple, list[Tensor]] = {}
+    for p in params:
+        by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+    finite: dict[int, bool] = {}
+    for group in by_device.values():
+        finite.update(zip(map(id, group), all_finite([p.grad for p in group])))
+    return finite
+
+
+# ------------------------------------------------- tracing and warnings --- #
+
+# Traced by torch.compile (its compiled-optimizer recipe, torch.compile(opt.step)),
+# the step's Python (plans, .item() reads, ctypes and Triton calls) trained
+# silently wrong; like torch's own untraceable optimizer methods, it opts out.
+_UNTRACED_REASON = (
+    "the gwt-optim optimizer step cannot be compiled (it runs native and Triton kernels through "
+    "Python-side step plans): call opt.step() / opt.step_param() eagerly; compile the model, not the step"
+)
+_untraced_pending: list[tuple[Callable, list]] = []
+
+
+def untraced(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable(fn, reason=...)`` makes it: a compiled
+    caller runs it eagerly, and ``fullgraph=True`` fails with that reason.
+
+    The disabled function is made by :func:`make_untraced` when the first
+    optimizer is made, not at import: importing ``torch._dynamo`` takes
+    seconds (torch's ``Optimizer.add_param_group`` imports it on the first
+    construction anyway), and under tracing it is too late to make it (Dynamo
+    cannot trace ``torch.compiler.disable``)."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return disabled[0](*args, **kwargs)
+
+    _untraced_pending.append((fn, disabled))
+    return wrapper
+
+
+def make_untraced() -> None:
+    if _untraced_pending:
+        for fn, disabled in _untraced_pending:
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn, reason=_UNTRACED_REASON))
+        # Cleared only once all are made: a constructor racing this one finds them all made.
+        _untraced_pending.clear()
+
+
+# Frames in these folders are the optimizer's own machinery (gwt_optim, and
+# torch's optimizer hooks, no_grad wrappers and autograd for step_in_backward):
+# a warning about the user's data should point past them, at the user's call.
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["gwt_optim"], torch))
+
+
+def caller_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by this function's caller
+    that names the first frame outside gwt_optim and torch (how deep that is
+    depends on the route: step(), step_param, a backward hook, a compiled step)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

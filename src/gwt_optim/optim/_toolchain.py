@@ -69,7 +69,7 @@ def _compiler() -> str:
             return cc
     raise KernelUnavailable(
         "the fused CPU kernels need a C compiler and none was found (set $CC, or install gcc/clang, "
-        "e.g. apt-get install gcc); pass compile=False to use the eager path"
+        "e.g. apt-get install gcc); pass backend='eager' to use the eager path"
     )
 
 
@@ -104,7 +104,7 @@ def _open_private_dir() -> tuple[Path, int]:
     except (_cache.UnsafePath, OSError) as exc:
         raise KernelUnavailable(
             f"no private folder for the fused CPU kernels ({exc}); set $TMPDIR to a folder only you can "
-            "write to, or pass compile=False to use the eager path"
+            "write to, or pass backend='eager' to use the eager path"
         ) from exc
 
 
@@ -126,7 +126,7 @@ def _kernel_dir() -> tuple[Path, int]:
     if not _cache.SECURE_OPEN:
         raise KernelUnavailable(
             "loading the fused CPU kernels safely needs POSIX openat and O_NOFOLLOW, which this platform "
-            "lacks; pass compile=False to use the eager path"
+            "lacks; pass backend='eager' to use the eager path"
         )
     try:
         # Our own default cache may have been created group-writable under a umask of 002.
@@ -200,7 +200,7 @@ def _build_library(cc: str, source: Path) -> bytes:
                     return f.read()
             errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
     raise KernelUnavailable(
-        f"building the fused CPU kernels with {cc} failed; pass compile=False to use the eager path. "
+        f"building the fused CPU kernels with {cc} failed; pass backend='eager' to use the eager path. "
         + "\n".join(errors)
     )
 
@@ -250,14 +250,14 @@ def load_library(source: Path, stem: str, bind: Bind) -> ctypes.CDLL:
             except OSError as again:
                 raise KernelUnavailable(
                     f"writing the fused CPU kernels to {directory} failed ({again}); "
-                    "pass compile=False to use the eager path"
+                    "pass backend='eager' to use the eager path"
                 ) from again
         try:
             return _load_checked(fd, directory, name, bind)
         except _LOAD_ERRORS as exc:
             raise KernelUnavailable(
                 f"loading the fused CPU kernels from {directory} failed after a rebuild ({exc}); "
-                "pass compile=False to use the eager path"
+                "pass backend='eager' to use the eager path"
             ) from exc
     finally:
         if fd >= 0:

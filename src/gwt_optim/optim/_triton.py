@@ -359,7 +359,7 @@ class TritonBackend:
     """GWT-AdamW's Haar step on multi-tensor Triton kernels.
 
     ``step_batches(batches, limiter_eps, key=...)`` runs the optimizer's
-    plans (:class:`~gwt_optim.optim._base.StepBatch` lists that stay the same
+    plans (:class:`~gwt_optim.optim._stepper.StepBatch` lists that stay the same
     from step to step: all the batched weights for ``step()``, one for each
     ``step_param``) and ``step_many(items, limiter_eps)`` any other set of
     parameters, each in three launches per bucket; ``phase1``/``phase2`` split
@@ -400,9 +400,6 @@ class TritonBackend:
 
     # ------------------------------------------------------- selection --- #
 
-    def supports(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> bool:
-        return self.capabilities.refusal(w, G, moment_dtype, level) is None
-
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Compile the kernels for this dtype combination and block size on
         throw-away tensors, so that a compiler failure surfaces before any
@@ -434,7 +431,7 @@ class TritonBackend:
 
     def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> tuple[Tensor, ...] | list:
         """Whole steps of one of the optimizer's plans: a list of
-        :class:`~gwt_optim.optim._base.StepBatch`, the same objects on every
+        :class:`~gwt_optim.optim._stepper.StepBatch`, the same objects on every
         step while the plan holds (see there for what the optimizer checks).
         ``key`` names the plan (the optimizer's step plan, or one
         parameter's for ``step_param``); a new list under a key replaces the
@@ -469,7 +466,7 @@ class TritonBackend:
         """Whole steps (phase 1, limiter, phase 2) of many parameters.
 
         ``items`` holds ``(ps, scale, decay)``: a
-        :class:`~gwt_optim.optim._base.ParamStep` of a GWT-AdamW parameter,
+        :class:`~gwt_optim.optim._stepper.ParamStep` of a GWT-AdamW parameter,
         ``scale`` = alpha * lr * bias correction and ``decay`` = 1 - lr *
         weight_decay. Parameters sharing a bucket and all step scalars run in
         one set of launches. Returns the number of parameters skipped for a

@@ -78,7 +78,7 @@ class GWTAdafactor(GWTOptimizer):
             False steps by ``lr`` directly.
         detail_norm: ``"clip"`` (default, the reference implementation's) or
             ``"second_moment"``; see the module docstring.
-        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, compile:
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend, compile:
             as :class:`~gwt_optim.optim.GWTAdamW`. The limiter is off by
             default: update clipping already bounds the step.
     """
@@ -105,7 +105,8 @@ class GWTAdafactor(GWTOptimizer):
         match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
-        compile: bool | None = None,
+        backend: str = "auto",
+        compile: bool | str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
@@ -113,7 +114,7 @@ class GWTAdafactor(GWTOptimizer):
             beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
             match_rms=match_rms,
         )
-        super().__init__(params, defaults, impl=impl, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not g["beta2_decay"] <= 0.0:

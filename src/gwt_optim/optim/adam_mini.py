@@ -86,7 +86,7 @@ class GWTAdamMini(GWTOptimizer):
         weight_decay: decoupled weight decay (default 0).
         block: default block kind for groups that do not set one ("neuron").
         head_dim: rows per head for ``"head"`` blocks.
-        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, compile:
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend, compile:
             as :class:`~gwt_optim.optim.GWTAdamW`.
     """
 
@@ -110,7 +110,8 @@ class GWTAdamMini(GWTOptimizer):
         match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
-        compile: bool | None = None,
+        backend: str = "auto",
+        compile: bool | str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -118,7 +119,7 @@ class GWTAdamMini(GWTOptimizer):
             moment_dtype=moment_dtype, block=block, head_dim=head_dim,
             match_rms=match_rms,
         )
-        super().__init__(params, defaults, impl=impl, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)

@@ -85,19 +85,22 @@ class GWTAdamW(GWTOptimizer):
             ``"bfloat16"`` to halve moment memory again, or ``"float64"``.
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
-        compile: fused kernels for the fast Haar step (see
-            :mod:`gwt_optim.optim._fused`): ``None`` (default) uses them where
-            they can be built -- a small C library on CPU (built once with the
-            system C compiler, cached in ``~/.cache/gwt-optim/kernels``), Triton
-            kernels on CUDA -- and otherwise the eager path, with one warning;
-            ``True`` makes a build failure an error; ``False`` always runs
-            eager; ``"native"`` or ``"triton"`` forces that backend.
+        backend: where the fast Haar step runs: ``"auto"`` (default) takes
+            the fused kernels where they can be built -- a small C library on
+            CPU (built once with the system C compiler, cached in
+            ``~/.cache/gwt-optim/kernels``), Triton kernels on CUDA -- and
+            otherwise the eager path, with one warning; ``"eager"`` always
+            runs the family's functional halves; ``"native"`` or ``"triton"``
+            forces that backend (a build failure is an error).
+        compile: the deprecated alias of ``backend`` (``None``: auto,
+            ``False``: eager, ``True``: auto with a build failure an error,
+            or a backend name).
     """
 
     _family = "GWTAdamW"
     _INT8_MOMENTS = True
-    # Which parameters they take: GWTOptimizer.select_backend.
-    _KERNELS = _fused.AdamWHaarKernels
+    # Which parameters they take: _backends.choose.
+    _KERNELS = _fused.Kernels
 
     def __init__(
         self,
@@ -115,7 +118,8 @@ class GWTAdamW(GWTOptimizer):
         match_rms: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
-        compile: bool | None = None,
+        backend: str = "auto",
+        compile: bool | str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -123,7 +127,7 @@ class GWTAdamW(GWTOptimizer):
             detail_clip=detail_clip, moment_dtype=moment_dtype,
             match_rms=match_rms,
         )
-        super().__init__(params, defaults, impl=impl, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         check_adam_hyperparameters(g)

@@ -111,7 +111,8 @@ class GWTMuon(GWTOptimizer):
         use_muon: bool = True,
         moment_dtype: str | None = None,
         impl: str = "fast",
-        compile: bool | None = None,
+        backend: str = "auto",
+        compile: bool | str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -119,7 +120,7 @@ class GWTMuon(GWTOptimizer):
             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
             adjust_lr_fn=adjust_lr_fn, betas=betas, eps=eps, use_muon=use_muon, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)

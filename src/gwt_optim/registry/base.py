@@ -136,7 +136,7 @@ def _convert(value: str) -> Any:
 def _check_type(name: str, key: str, value: Any, default: Any) -> None:
     """Reject a value whose kind cannot be what the option's default is."""
     if default is None or value is None:
-        return  # options whose default is None take several kinds (compile=true|native, ...)
+        return  # options whose default is None take several kinds (compile=true|native, backend=..., ...)
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         kind = "true or false"
@@ -284,15 +284,15 @@ def _gwt_adamw_options() -> dict[str, Any]:
     # ``detail_clip=none`` in a spec selects the paper's update.
     # ``detail_clip_end``: the clip anneals to it over training (train.DetailClipAnneal), a
     # zero-state remedy candidate of issue 18; None keeps the clip constant.
-    return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "compile": None,
-            "detail_clip_end": None}
+    return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "backend": None,
+            "compile": None, "detail_clip_end": None}
 
 
 @register(
     "gwt-adamw",
     help="GWT-AdamW: Adam moments on Haar approximation coefficients "
     "(level, wavelet, scale, norm_growth_limit, detail_clip (default 0.5; none = the paper's update), "
-    "detail_clip_end (anneal the clip to it over a toolkit run), moment_dtype, compile)",
+    "detail_clip_end (anneal the clip to it over a toolkit run), moment_dtype, backend=auto|eager|native|triton)",
     options=_gwt_adamw_options(),
 )
 def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -308,7 +308,8 @@ def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
         raise ValueError(f"gwt-adamw: option detail_clip_end={end!r} must be a finite number > 0")
     opt = GWTAdamW(
         list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), compile=cfg.pop("compile"),
+        impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), backend=cfg.pop("backend") or "auto",
+        compile=cfg.pop("compile"),
     )
     if end is not None:
         if not any(g.get("level") and g.get("detail_clip") is not None for g in opt.param_groups):
