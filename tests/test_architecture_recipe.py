@@ -267,12 +267,12 @@ def test_every_family_is_tagged_registered_and_estimated():
     """Steps 2-6 for the families the package ships."""
     import gwt_optim
     from gwt_optim.memory import ALIASES, ESTIMATORS, TABLE_OPTIMIZERS
-    from gwt_optim.optim import _base
+    from gwt_optim.optim._saved import shipped_families
     from gwt_optim.toolkit.registry import REGISTRY
 
     classes = {name: getattr(gwt_optim, name) for name in gwt_optim.optim.__all__}
     assert all(issubclass(cls, GWTOptimizer) and cls._family == name for name, cls in classes.items())
-    assert set(_base._shipped_families()) == set(classes)
+    assert set(shipped_families(GWTOptimizer)) == set(classes)
     gwt_names = {n for n in REGISTRY if n.startswith("gwt-")}
     assert len(gwt_names) == len(classes)
     assert gwt_names <= set(ESTIMATORS) | set(ALIASES)

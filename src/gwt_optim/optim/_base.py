@@ -23,7 +23,7 @@ from torch.optim.optimizer import Optimizer
 from gwt_optim import wavelets
 from gwt_optim.optim._backends import MOMENT_DTYPES
 from gwt_optim.optim._fused import backend_option
-from gwt_optim.optim._saved import check_family, check_saved_state, describe
+from gwt_optim.optim._saved import check_family, check_saved_state, describe, shipped_families
 from gwt_optim.optim._stepper import ParamStep, StepBatch, Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
@@ -33,22 +33,11 @@ IMPLEMENTATIONS = ("reference", "fast")
 
 
 class GWTOptimizer(Optimizer):
-    """Base class of the GWT optimizers.
-
-    A family sets :attr:`_family`, implements :meth:`_init_family_state` and
-    the two halves of its eager step, :meth:`_moments` and :meth:`_apply`
-    (calls of its ``functional.gwt_*_moments`` and ``gwt_*_apply``), and may
-    override :meth:`_validate_family`, :meth:`_validate_param` and
-    :meth:`_limiter_enabled`; a family with fused kernels names them in
-    :attr:`_KERNELS`.
-
-    ``impl``: ``"fast"`` (the closed-form Haar transform) or ``"reference"``
-    (the literal transform, any wavelet). ``backend``: ``"auto"`` (fused
-    kernels where they can be built, else the eager path with one warning),
-    ``"eager"``, or ``"native"``/``"triton"`` (that backend, a build failure
-    an error); ``compile`` is its deprecated alias (``None``, ``True``,
-    ``False`` or a name).
-    """
+    """Base class of the GWT optimizers: a family sets :attr:`_family`,
+    implements :meth:`_init_family_state`, :meth:`_moments` and
+    :meth:`_apply`, and may override the other hooks below. ``impl``: the
+    closed-form Haar transform (``"fast"``) or the literal one; ``backend``
+    (``compile``, its deprecated alias): see ``GWTAdamW``, which has kernels."""
 
     #: The family's name in messages and in saved state dicts.
     _family = "GWTOptimizer"
@@ -80,16 +69,12 @@ class GWTOptimizer(Optimizer):
 
     def _init_bookkeeping(self) -> None:
         make_untraced()
-        self.__dict__.setdefault("_nonfinite_skips", 0)
-        # The running skip counts that fused device kernels keep without a host
-        # sync, by id (a backend hands the same tensors on every step).
-        self.__dict__.setdefault("_nonfinite_counters", {})
-        self.__dict__.setdefault("_warned_nonfinite", False)
-        # Runs the step: the checks, the phases, the batched kernels' plans.
-        self.__dict__.setdefault("_stepper", Stepper())
-        # The family's backends, built on first use (not copied or pickled: built again).
-        kernels = self._KERNELS and self._KERNELS(self._backend, self._strict, self._impl)
-        self.__dict__.setdefault("_kernels", kernels)
+        # _nonfinite_counters: the running skip counts device kernels keep without a host sync, by id.
+        # _kernels: the family's backends, built on first use (not copied or pickled: built again).
+        for key, value in (("_nonfinite_skips", 0), ("_nonfinite_counters", {}), ("_warned_nonfinite", False),
+                           ("_stepper", Stepper()), ("_kernels", self._KERNELS and self._KERNELS(
+                               self._backend, self._strict, self._impl))):
+            self.__dict__.setdefault(key, value)
 
     @property
     def nonfinite_skips(self) -> int:
@@ -116,17 +101,14 @@ class GWTOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch keeps only defaults, state and groups: a copy or a pickle would
-        # come back with impl="fast" and backend="auto", and take the fused
-        # kernels its original was told not to.
+        # torch keeps only defaults, state and groups: a copy would take the kernels its original was told not to.
         return {**super().__getstate__(), "_impl": self._impl, "_backend": self._backend, "_strict": self._strict}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         compile = state.pop("_compile", None)  # pickled before backend= (issue 45)
         super().__setstate__(state)
-        # torch adds its own optimizers' `differentiable` option to defaults
-        # here; these optimizers have no such option, and the key would then
-        # be copied into every group, so a reloaded state_dict() would differ.
+        # torch adds its optimizers' `differentiable` option here; copied into
+        # every group, it would make a reloaded state_dict() differ.
         self.defaults.pop("differentiable", None)
         # Older checkpoints may lack keys added later; fill with the defaults.
         for group in self.param_groups:
@@ -134,8 +116,8 @@ class GWTOptimizer(Optimizer):
                 group.setdefault(key, value)
         self.__dict__.setdefault("_impl", "fast")
         if "_backend" not in self.__dict__:
-            self._backend, self._strict = (("eager" if compile is False else "auto" if compile in (None, True)
-                                            else compile), compile not in (None, False))
+            self._backend = "eager" if compile is False else "auto" if compile in (None, True) else compile
+            self._strict = compile not in (None, False)
         self._init_bookkeeping()
 
     def _validate_group(self, g: dict[str, Any]) -> None:
@@ -164,8 +146,8 @@ class GWTOptimizer(Optimizer):
         if gamma is not None and not (isinstance(gamma, (int, float)) and gamma >= 1.0):
             raise ValueError(f"Invalid norm_growth_limit (gamma): {gamma!r} (must be >= 1, or None to turn it off)")
         clip = g["detail_clip"]
-        if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and math.isfinite(clip)
-                                     and clip > 0):
+        if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
+                                     and math.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
         if not isinstance(g["match_rms"], bool):
             raise ValueError(f"Invalid match_rms: {g['match_rms']!r} (True or False)")
@@ -182,8 +164,7 @@ class GWTOptimizer(Optimizer):
         """Raise ``ValueError`` for out-of-range family hyperparameters."""
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
-        """Raise ``ValueError`` for a parameter this family cannot update:
-        run for every parameter at construction and in :meth:`add_param_group`
+        """Raise ``ValueError`` for a parameter this family cannot update
         (``group``: its options merged with the defaults; ``where`` names it)."""
         if p.is_complex():
             raise ValueError(
@@ -212,15 +193,6 @@ class GWTOptimizer(Optimizer):
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
-    def _expected_state(self, group: dict, approx_shape: tuple[int, ...], transformed: bool) -> dict[str, tuple]:
-        """The shapes of the family's state tensors for approximation
-        coefficients of ``approx_shape``: what :meth:`_init_family_state`
-        creates, built on the meta device (no memory, no copy of the rule)."""
-        state: dict[str, Any] = {}
-        approx = torch.empty(approx_shape, device="meta")
-        self._init_family_state(group, state, approx, approx.dtype, transformed)
-        return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
-
     # ------------------------------------------------------ state dicts --- #
 
     def state_dict(self) -> dict[str, Any]:
@@ -232,18 +204,13 @@ class GWTOptimizer(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, keeping each state tensor's saved dtype.
-
-        ``torch.optim.Optimizer`` casts floating-point state to the parameter's
-        dtype on load, which would silently turn the fp32 moments of bf16
-        parameters into bf16 ones; GWT keeps the dtype it saved.
-
-        Raises ``ValueError`` when the state dict comes from another optimizer
-        or family, or when a saved state tensor's shape does not fit its
-        parameter at its group's level; nothing is changed then.
-        """
+        """Load a state dict, keeping each state tensor's saved dtype (torch
+        would cast the fp32 moments of bf16 parameters to bf16). A state dict
+        of another optimizer or family, or a saved state tensor that does not
+        fit its parameter at its group's level, is a ``ValueError``, and
+        nothing is changed then."""
         saved_groups = state_dict["param_groups"]
-        check_family(self._family, saved_groups, _shipped_families())
+        check_family(self._family, saved_groups, shipped_families(GWTOptimizer))
         saved_ids = [i for g in saved_groups for i in g["params"]]
         if len(saved_ids) != sum(len(g["params"]) for g in self.param_groups):
             raise ValueError(
@@ -276,12 +243,8 @@ class GWTOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One step of every parameter with a gradient (:mod:`._stepper`).
-
-        Learning rates and other scalars are read on every step. ``step`` and
-        :meth:`step_param` opt out of ``torch.compile`` tracing (a compiled
-        caller runs them eagerly; ``fullgraph=True`` raises): compile the
-        model, not the step.
-        """
+        ``step`` and :meth:`step_param` opt out of ``torch.compile`` tracing
+        (a compiled caller runs them eagerly): compile the model, not the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -314,11 +277,10 @@ class GWTOptimizer(Optimizer):
     def _count(self, skipped: list) -> None:
         """Record the updates a step skipped for a non-finite gradient: the
         parameters, the fused backends' lists of ParamSteps, or their running
-        device counts (kept by identity: no host sync, nor any tensor op, here)."""
+        device counts (kept by identity: no host sync here)."""
         for item in skipped:
             if isinstance(item, tuple):
-                for count in item:
-                    self._nonfinite_counters[id(count)] = count
+                self._nonfinite_counters.update((id(count), count) for count in item)
                 continue
             for p in [item] if isinstance(item, Tensor) else [ps.full_param for ps in item]:
                 self._nonfinite_skips += 1
@@ -335,14 +297,3 @@ class GWTOptimizer(Optimizer):
 def _is_real(x: Any) -> bool:
     # numbers.Real takes NumPy scalars; bool is an int but never a rate.
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _shipped_families() -> dict[str, str | None]:
-    """The families this package ships, with their group keys, from the classes themselves."""
-    found, todo = {}, list(GWTOptimizer.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo += cls.__subclasses__()
-        if cls.__module__.startswith("gwt_optim.optim."):
-            found[cls._family] = cls._GROUP_KEY
-    return found

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from gwt_optim import wavelets
 
-__all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "state_problem"]
+__all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "expected_state", "shipped_families",
+           "state_problem"]
 
 
 def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int, ...]:
@@ -26,6 +27,27 @@ def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int,
     else:  # longer filters add boundary coefficients: ask the transform itself
         k = wavelets.wavedec(torch.zeros(1, n), level, wavelet, dim=-1).approx.shape[-1]
     return (*shape[:-1], k)
+
+
+def expected_state(opt: Any, group: dict, approx: tuple[int, ...], transformed: bool) -> dict[str, tuple]:
+    """The shapes of ``opt``'s state tensors for approximation coefficients of
+    shape ``approx``: what its family's ``_init_family_state`` creates, on the
+    meta device (no memory, no second statement of the state)."""
+    state: dict[str, Any] = {}
+    meta = torch.empty(approx, device="meta")
+    opt._init_family_state(group, state, meta, meta.dtype, transformed)
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
+
+
+def shipped_families(base: type) -> dict[str, str | None]:
+    """The families this package ships (subclasses of ``base``), with their group keys."""
+    found, todo = {}, list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("gwt_optim.optim."):
+            found[cls._family] = cls._GROUP_KEY
+    return found
 
 
 def describe(groups: list[dict], p: Tensor) -> str:
@@ -127,8 +149,8 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
             level = options["level"] if transformed else 0
             where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
             try:
-                spec = opt._expected_state(options, approx_shape(tuple(p.shape), level, options["wavelet"]),
-                                           transformed)
+                spec = expected_state(opt, options, approx_shape(tuple(p.shape), level, options["wavelet"]),
+                                      transformed)
             except Exception as exc:  # options a family cannot build state for
                 raise ValueError(f"{opt._family}: {where}: cannot check its saved state ({exc})") from exc
             problem = state_problem(st, spec, level)

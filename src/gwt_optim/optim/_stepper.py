@@ -26,7 +26,7 @@ from torch import Tensor
 from gwt_optim.optim._backends import choose, moment_dtype, route_key
 from gwt_optim.optim._family import group_lr
 from gwt_optim.optim._fused import all_finite
-from gwt_optim.optim._saved import approx_shape, describe, state_problem
+from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
 from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
                                       reduce_limiter_norms)
 from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor, compute_dtype, limiter_ratio
@@ -384,7 +384,7 @@ class Stepper:
             spec = self.specs.get(key)
             if spec is None:
                 shape = approx_shape(tuple(G.shape), level, group["wavelet"])
-                spec = self.specs[key] = opt._expected_state(group, shape, transformed)
+                spec = self.specs[key] = expected_state(opt, group, shape, transformed)
             problem = state_problem(lstate, spec, level, w, G, md if fused is not None else None)
             if problem is not None:
                 raise ValueError(f"{opt._family}: {describe(opt.param_groups, p)}: {problem}")

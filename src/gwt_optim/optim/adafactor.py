@@ -1,48 +1,13 @@
-r"""GWT-Adafactor: Adafactor whose factored statistics describe the approximation.
+r"""GWT-Adafactor: Adafactor whose factored second moment lives on Haar
+approximation coefficients.
 
-Adafactor (Shazeer & Stern, 2018; ``torch.optim.Adafactor``) keeps, for a
-matrix, only row and column means of the squared gradient and rebuilds the
-second moment as their normalized outer product. For a weight
-:math:`W \in \mathbb{R}^{m \times n}` at level :math:`l`, GWT-Adafactor keeps
-them for :math:`A_l` (:math:`m \times k`, :math:`k = \lceil n/2^l \rceil`):
-
-.. math::
-
-    R \leftarrow \hat\beta_{2t} R + (1-\hat\beta_{2t})\,\mathrm{mean}_{\mathrm{cols}}(A_l^2),\quad
-    C \leftarrow \hat\beta_{2t} C + (1-\hat\beta_{2t})\,\mathrm{mean}_{\mathrm{rows}}(A_l^2),\quad
-    \hat V = \frac{R\,C}{\max(\mathrm{mean}(R), \epsilon_1)},
-
-with :math:`1-\hat\beta_{2t} = t^{\tau}` (``beta2_decay`` :math:`\tau`), the
-approximation update :math:`U = A_l / \max(\sqrt{\hat V}, \epsilon_1)`, update
-clipping :math:`c = \max(1, \mathrm{RMS}(U)/d)` and :math:`U \leftarrow U/c`;
-with ``beta1`` set, a first moment :math:`M \leftarrow \beta_1 M + (1-\beta_1) U`
-on :math:`A_l` replaces :math:`U` (the first moment of the clipped update, as in
-the original Adafactor). The step is relative, as torch's:
-:math:`\eta_t = \max(\epsilon_2, \mathrm{RMS}(W))\min(\mathrm{lr}, 1/\sqrt t)`.
-
-How the detail coefficients are scaled is ``detail_norm``:
-
-``"clip"`` (default)
-    :math:`\tilde D = D / c`: the details are divided by the clipping factor
-    only, as in the authors' reference implementation.
-``"second_moment"``
-    :math:`\tilde D = D / (\sqrt{\hat V}' c)`: each detail is divided by the
-    denominator of the approximation coefficient above it and by the clipping
-    factor, the normalization GWT gives the details in the other families.
-
-With ``"clip"`` the details keep the raw gradient's scale while the
-approximation update is normalized to RMS about 1, so the transformed weights
-take an (almost) low-pass Adafactor step. The default follows the reference
-implementation and the measurement in ``docs/families.md``, where it trained
-better than ``"second_moment"`` (and than plain Adafactor) at both learning
-rates tried. A plausible reason: without a first moment, ``"second_moment"``
-turns every detail coefficient into one step's noise at unit scale, normalized
-by a rank-one estimate fitted to the coarse coefficients, which need not fit
-the details.
-
-State: :math:`R` (:math:`m`), :math:`C` (:math:`k` instead of :math:`n`) and,
-with ``beta1``, :math:`M` (:math:`m k` instead of :math:`m n`). With level 0
-this is ``torch.optim.Adafactor`` (to fp32 rounding).
+Its step is :func:`gwt_optim.optim.functional.gwt_adafactor` (the halves
+``gwt_adafactor_moments`` and ``gwt_adafactor_apply``): the row and column
+statistics of A_l^2 (or, for a vector, its second moment), U clipped to RMS
+d, an optional first moment, the details scaled by ``detail_norm``, and
+torch's relative step. At level 0 it is ``torch.optim.Adafactor`` (to fp32
+rounding). ``docs/families.md`` states it in full, and why ``detail_norm``
+defaults to ``"clip"``.
 """
 
 from __future__ import annotations

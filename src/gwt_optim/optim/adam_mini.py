@@ -1,28 +1,12 @@
 r"""GWT-Adam-mini: Adam-mini whose state lives on Haar approximation coefficients.
 
-Adam-mini (Zhang et al., 2024) keeps Adam's first moment in full but a single
-second-moment scalar per *block*: one per attention head for the query and key
-projections, one per output neuron (row) for the other linear layers, the
-embedding and the output head, one for each remaining tensor (norms), and plain
-Adam for biases. For a weight :math:`W \in \mathbb{R}^{m \times n}` at level
-:math:`l`, GWT-Adam-mini keeps
-
-* :math:`M \leftarrow \beta_1 M + (1-\beta_1) A_l` on the approximation
-  coefficients only (:math:`m \times \lceil n/2^l \rceil`), and
-* :math:`v_b \leftarrow \beta_2 v_b + (1-\beta_2)\,\mathrm{mean}_{b}(A_l^2)`,
-  one scalar per block :math:`b` of :math:`A_l` (the block's rows of
-  :math:`A_l`; the mean runs over :math:`A_l`'s entries, not :math:`G`'s),
-
-and hands the shared GWT step :math:`U = M / \mathrm{den}` with
-:math:`\mathrm{den}_b = \sqrt{v_b} + \epsilon\sqrt{1-\beta_2^t}`; the detail
-coefficients of a block are normalized by the same :math:`\mathrm{den}_b`.
-The first moment shrinks by :math:`2^l`; the per-block scalars were already
-negligible and stay as many as before (blocks are rows, and the transform runs
-along each row).
-
-With level 0 the update equals the ``adam-mini`` package's ``Adam_mini``
-(version 1.1.1) to fp32 rounding; :func:`adam_mini_param_groups` reproduces
-its name-based block partition.
+Its step is :func:`gwt_optim.optim.functional.gwt_adam_mini` (the halves
+``gwt_adam_mini_moments`` and ``gwt_adam_mini_apply``): the first moment on
+A_l, one second moment per block of A_l (a head, a row, the tensor, or each
+entry), the details of a block normalized by its denominator. At level 0 it
+is the ``adam-mini`` package's ``Adam_mini`` (version 1.1.1, to fp32
+rounding); :func:`adam_mini_param_groups` reproduces its name-based block
+partition. ``docs/families.md`` states it in full.
 """
 
 from __future__ import annotations
@@ -52,14 +36,10 @@ _NO_DECAY_NAMES = ("norm", "ln", "bias")
 
 
 def adam_mini_block(name: str) -> str:
-    """The Adam-mini block kind of a parameter, from its qualified name.
-
-    Mirrors ``adam_mini.Adam_mini``: ``"element"`` (plain Adam: biases),
-    ``"head"`` (one scalar per attention head: queries and keys), ``"neuron"``
-    (one scalar per row: embeddings, output head, values, attention output,
-    MLPs) and ``"tensor"`` (one scalar for the whole tensor: norms and
-    anything else).
-    """
+    """The Adam-mini block kind of a parameter, from its qualified name, as
+    ``adam_mini.Adam_mini`` gives it: ``"element"`` (biases), ``"head"``
+    (queries and keys), ``"neuron"`` (embeddings, the head, values, attention
+    output, MLPs) or ``"tensor"`` (norms and anything else)."""
     name = name.lower()
     for kind, fragments in (("element", _BIAS_NAMES), ("head", _QK_NAMES), ("neuron", _ROW_NAMES)):
         if any(f in name for f in fragments):
@@ -70,15 +50,11 @@ def adam_mini_block(name: str) -> str:
 class GWTAdamMini(GWTOptimizer):
     """Adam-mini with Gradient Wavelet Transform state compression.
 
-    Each param group names its block partition with ``block`` (one of
-    :data:`BLOCKS`: ``"neuron"``, ``"head"``, ``"tensor"``, ``"element"``) and,
-    for ``"head"``, ``head_dim`` (rows per head). :func:`adam_mini_param_groups`
-    builds Adam-mini's partition of a transformer from parameter names.
-
     Args:
-        params: parameters or param-group dicts (see above); groups may also
-            set ``level``, ``wavelet``, ``scale``, ``norm_growth_limit`` and
-            every hyperparameter below.
+        params: parameters or param-group dicts; a group names its block
+            partition with ``block`` (one of :data:`BLOCKS`) and, for
+            ``"head"``, ``head_dim`` (:func:`adam_mini_param_groups` builds
+            Adam-mini's partition of a transformer from parameter names).
         lr: learning rate (default 1e-3).
         betas: :math:`(\\beta_1, \\beta_2)` (default (0.9, 0.999)).
         eps: :math:`\\epsilon` (default 1e-8), added to the bias-corrected

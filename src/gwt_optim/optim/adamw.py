@@ -1,48 +1,12 @@
 r"""GWT-AdamW: AdamW whose moments live on Haar approximation coefficients.
 
-For a weight :math:`W \in \mathbb{R}^{m \times n}` in a group with level
-:math:`l \ge 1`, at step :math:`t` with gradient :math:`G`
-(Wen et al., 2025, Alg. 1, with torch's AdamW conventions):
-
-1. :math:`[A_l, D_l, \dots, D_1] = \mathrm{DWT}_l(G)` along the last axis;
-   :math:`A_l` has :math:`\lceil n/2^l \rceil` columns.
-2. :math:`M \leftarrow \beta_1 M + (1-\beta_1) A_l`,
-   :math:`V \leftarrow \beta_2 V + (1-\beta_2) A_l^2` -- the only moment
-   state, :math:`2^{-l}` of AdamW's.
-3. :math:`\mathrm{den} = \sqrt{V} + \epsilon\sqrt{1-\beta_2^t}` (torch AdamW's
-   :math:`\epsilon` convention), :math:`U = M / \mathrm{den}`.
-4. Norm-growth limiter (Fira), :math:`\gamma` = ``norm_growth_limit``: at
-   :math:`t = 1` store :math:`s = \|U\|_F`; later
-   :math:`r = \max(\|U\|_F/(s + 10^{-8}), \gamma)/\gamma`, :math:`U \leftarrow U/r`,
-   :math:`s \leftarrow \|U\|_F`.
-5. :math:`\tilde D_j = D_j / (\mathrm{den}' \cdot r)` with :math:`\mathrm{den}'`
-   each entry of den repeated over the :math:`2^{l-j}` details under it.
-6. :math:`\Delta = \alpha \cdot \mathrm{IDWT}([U, \tilde D_l, \dots, \tilde D_1])`,
-   cropped to :math:`n` columns.
-7. :math:`W \leftarrow W (1 - \eta\lambda)`, then
-   :math:`W \leftarrow W - \eta \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t} \Delta`.
-
-With level 0, :math:`\alpha = 1` and the limiter off this is exactly
-``torch.optim.AdamW`` (to fp32 rounding). Parameters with fewer than 2
-dimensions in a GWT group are updated as plain AdamW (no transform,
-:math:`\alpha = 1`, no limiter); tensors with more than 2 dimensions transform
-along their last axis.
-
-**Relation to the authors' code.** With :math:`\epsilon \to 0` and
-:math:`\lambda = 0` the update equals the public reference implementation.
-It deviates in two places, both to follow ``torch.optim.AdamW``: the reference
-adds :math:`\epsilon` to :math:`\sqrt{V}` *before* bias correction (here
-:math:`\epsilon` is added to :math:`\sqrt{\hat V}`, as torch does), and it
-applies weight decay *after* the gradient step (here before it, as torch does).
-
-**How ε governs the details.** Each detail coefficient is divided by the
-:math:`\sqrt{V} + \epsilon\sqrt{1-\beta_2^t}` of the approximation coefficient
-above it. Where that approximation has been near zero (a block whose entries
-cancel), the details are amplified, by at most
-:math:`1/(\epsilon\sqrt{1-\beta_2^t})`, so the update stays finite for any
-:math:`\epsilon > 0` and a larger :math:`\epsilon` (the paper trains with
-``1e-6``) caps the gain. With ``eps=0`` an exactly-zero denominator drops its
-details (and its approximation update) instead of dividing by zero.
+Its step is :func:`gwt_optim.optim.functional.gwt_adamw` (the halves
+``gwt_adamw_moments`` and ``gwt_adamw_apply``), stated in ``docs/algorithm.md``
+with its relation to ``torch.optim.AdamW`` and to the authors' code, and how
+epsilon governs the details. With level 0, alpha 1 and the limiter off it is
+``torch.optim.AdamW`` (to fp32 rounding); parameters with fewer than two
+dimensions take that plain step. Its fused kernels (:mod:`._fused`) run the
+same step in two passes over memory.
 """
 
 from __future__ import annotations
@@ -82,7 +46,10 @@ class GWTAdamW(GWTOptimizer):
             ``benchmarks/quality.py``; see ``docs/algorithm.md``).
             ``detail_clip=None`` is the paper's update exactly.
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
-            ``"bfloat16"`` to halve moment memory again, or ``"float64"``.
+            ``"bfloat16"`` to halve moment memory again, ``"float64"``, or
+            ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`).
+        match_rms: the transfer rule: each row of the update rescaled to the
+            RMS of U's row (:func:`~gwt_optim.optim.functional.match_row_rms`).
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
         backend: where the fast Haar step runs: ``"auto"`` (default) takes
@@ -133,15 +100,7 @@ class GWTAdamW(GWTOptimizer):
         check_adam_hyperparameters(g)
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
-        if group["moment_dtype"] == "int8":
-            if approx.ndim >= 2:
-                # Codes of M and of sqrt(V), with fp32 scales per block of a row (_quant).
-                state["exp_avg"], state["exp_avg_absmax"] = _quant.zeros(approx)
-                state["exp_avg_sq"], state["exp_avg_sq_absmax"] = _quant.zeros(approx)
-                return
-            moment_dtype = approx.dtype  # vectors are tiny: full-precision moments, as bitsandbytes
-        state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        init_state(group, state, approx, moment_dtype)
 
     def _moments(self, group, state, W, G, step):
         return moments(group, state, W, G, step, self._impl)
@@ -150,7 +109,19 @@ class GWTAdamW(GWTOptimizer):
         apply(group, W, m, r, step)
 
 
-# The group's options into GWT-AdamW's halves (GWT-Muon's AdamW groups call them too).
+# GWT-AdamW's state and halves on a group's options (GWT-Muon's AdamW groups use them too).
+
+
+def init_state(group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype) -> None:
+    if group["moment_dtype"] == "int8":
+        if approx.ndim >= 2:
+            # Codes of M and of sqrt(V), with fp32 scales per block of a row (_quant.Quantized).
+            state["exp_avg"], state["exp_avg_absmax"] = _quant.zeros(approx)
+            state["exp_avg_sq"], state["exp_avg_sq_absmax"] = _quant.zeros(approx)
+            return
+        moment_dtype = approx.dtype  # vectors are tiny: full-precision moments, as bitsandbytes
+    state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+    state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
 
 def moments(group: dict, state: dict, W: Tensor, G: Tensor, step: int, impl: str) -> F.Moments:

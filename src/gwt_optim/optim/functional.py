@@ -84,7 +84,8 @@ class Moments(NamedTuple):
         return self.U.square().sum()
 
 
-def start(W: Tensor, G: Tensor, level: int, impl: str = "fast", wavelet: str = wavelets.HAAR) -> tuple[Tensor, Tensor, Any, int]:
+def start(W: Tensor, G: Tensor, level: int, impl: str = "fast",
+          wavelet: str = wavelets.HAAR) -> tuple[Tensor, Tensor, Any, int]:
     """Step 1 for W: ``(G, A_l, coeffs, level)`` with G in the compute dtype;
     a W with fewer than two dimensions takes the plain family's step (level 0)."""
     level = level if W.ndim >= 2 else 0

@@ -1,43 +1,12 @@
 r"""GWT-Muon: Muon whose momentum lives on Haar approximation coefficients.
 
-Muon (Jordan et al., 2024; ``torch.optim.Muon``) keeps one momentum buffer per
-hidden matrix and steps along its orthogonalization. For a weight
-:math:`W \in \mathbb{R}^{m \times n}` at level :math:`l`, GWT-Muon keeps the
-momentum on the approximation coefficients only,
-
-.. math::
-
-    B \leftarrow \mu B + (1-\mu) A_l \qquad (m \times \lceil n/2^l \rceil),
-
-(torch's exponential-average form of :math:`B \leftarrow \mu B + G`, which
-keeps :math:`B` on the scale of the gradient), and builds the full-size
-direction from the momentum for the coarse part and this step's details,
-
-.. math::
-
-    X = \mathrm{IDWT}([\tilde B, D_l, \dots, D_1]), \qquad
-    \tilde B = \begin{cases} (1-\mu) A_l + \mu B & \text{nesterov} \\ B & \text{otherwise,} \end{cases}
-
-then steps along :math:`\alpha \cdot \mathrm{NS}(X)`, the same quintic
-Newton--Schulz iteration, coefficients and shape-based learning-rate scaling
-as ``torch.optim.Muon``. The momentum shrinks by :math:`2^l`. With level 0
-this is ``torch.optim.Muon`` step for step (bit-exact with the default bf16
-Newton--Schulz).
-
-The details are not normalized (Muon has no second moment), and the
-norm-growth limiter is not applied: Newton--Schulz starts by dividing
-:math:`X` by its norm, so any rescaling of :math:`X` -- the limiter's, or
-:math:`\alpha` applied before it -- would cancel; :math:`\alpha` is applied to
-the orthogonalized direction instead.
-
-As in the usual Muon recipe, parameters that are not hidden matrices
-(embeddings, the output head, norms, biases) go in groups with
-``use_muon=False``, which this optimizer updates as (GWT-)AdamW.
-
-**Newton--Schulz precision.** ``torch.optim.Muon`` iterates in bfloat16, which
-is fast on GPUs but slow on CPUs without bf16 matrix units. ``ns_dtype=
-"float32"`` runs the same iteration in fp32; see ``docs/families.md`` for the
-measured difference.
+Its step is :func:`gwt_optim.optim.functional.gwt_muon` (the halves
+``gwt_muon_moments`` and ``gwt_muon_apply``): the momentum on A_l, the
+direction from it and this step's raw details, alpha times its Newton-Schulz
+orthogonalization, no limiter (Newton-Schulz would cancel it). At level 0 it is
+``torch.optim.Muon`` bit for bit. Groups with ``use_muon=False`` (embeddings,
+the head, norms) take GWT-AdamW's halves. ``docs/families.md`` states it in
+full, with ``ns_dtype``'s measured precision and speed.
 """
 
 from __future__ import annotations
@@ -47,11 +16,12 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim import adamw
 from gwt_optim.optim import functional as F
+from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
-from gwt_optim.optim.functional import _ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adjust_lr_ratio, zeropower_via_newtonschulz
+from gwt_optim.optim.functional import (_ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adjust_lr_ratio,
+                                        zeropower_via_newtonschulz)
 
 __all__ = ["GWTMuon", "zeropower_via_newtonschulz", "NS_COEFFICIENTS", "NS_DTYPES", "adjust_lr_ratio"]
 
@@ -61,29 +31,23 @@ class GWTMuon(GWTOptimizer):
     for the parameters that are not hidden matrices.
 
     Args:
-        params: param-group dicts. Groups with ``use_muon=True`` (the
-            default) take 2-D weights and are updated by GWT-Muon; groups with
-            ``use_muon=False`` take anything and are updated by GWT-AdamW
-            (level 0: plain AdamW) with that group's ``betas``/``eps``.
-            :func:`gwt_optim.groups.gwt_param_groups` with
-            ``transformed_options={"use_muon": True}`` and
-            ``regular_options={"use_muon": False}`` builds the usual split.
+        params: param-group dicts: ``use_muon=True`` (the default) takes 2-D
+            weights, ``use_muon=False`` anything, updated by GWT-AdamW with the
+            group's ``betas``/``eps`` (:func:`gwt_optim.groups.gwt_param_groups`
+            with ``transformed_options={"use_muon": True}`` and
+            ``regular_options={"use_muon": False}`` builds the usual split).
         lr: learning rate (default 1e-3, as torch's Muon; AdamW groups
             usually want their own, smaller ``lr``).
         weight_decay: decoupled weight decay (default 0.1, as torch's Muon).
-        momentum: :math:`\\mu` (default 0.95).
-        nesterov: Nesterov-style direction (default True).
-        ns_coefficients, ns_steps: the Newton--Schulz iteration (torch's).
-        ns_eps: the iteration's norm floor (torch Muon's ``eps``, 1e-7).
-        ns_dtype: ``"bfloat16"`` (torch's; default) or ``"float32"`` (faster
-            and more precise on CPUs).
+        momentum, nesterov: :math:`\\mu` (default 0.95), a Nesterov-style direction (default True).
+        ns_coefficients, ns_steps, ns_eps: the Newton--Schulz iteration (torch's; ``ns_eps`` is its ``eps``).
+        ns_dtype: ``"bfloat16"`` (torch's; default) or ``"float32"`` (faster and more precise on CPUs).
         adjust_lr_fn: ``None``/``"original"`` (:math:`\\sqrt{\\max(1, m/n)}`) or
             ``"match_rms_adamw"`` (:math:`0.2\\sqrt{\\max(m, n)}`), as torch.
         betas, eps: AdamW hyperparameters of ``use_muon=False`` groups.
         level, wavelet, scale: as :class:`~gwt_optim.optim.GWTAdamW`
             (``scale`` multiplies the orthogonalized direction).
-        norm_growth_limit: applies to ``use_muon=False`` groups only (default
-            None); see the module docstring.
+        norm_growth_limit: for ``use_muon=False`` groups only (default None).
     """
 
     _family = "GWTMuon"
@@ -126,10 +90,8 @@ class GWTMuon(GWTOptimizer):
         super()._validate_param(p, group, where)
         if group["use_muon"]:
             if type(p).__name__ == "DTensor":
-                raise NotImplementedError(
-                    "GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters are not "
-                    "supported in use_muon groups. Use GWTAdamW for sharded training"
-                )
+                raise NotImplementedError("GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters "
+                                          "are not supported in use_muon groups. Use GWTAdamW for sharded training")
             if p.ndim != 2:
                 raise ValueError(
                     f"Muon groups take 2-D weights, got {where}; put it in a "
@@ -152,25 +114,19 @@ class GWTMuon(GWTOptimizer):
             raise ValueError("match_rms does not apply to a use_muon group: Newton-Schulz fixes its update's size; "
                              "adjust_lr_fn='match_rms_adamw' is Muon's rule for carrying AdamW's lr")
         if g["use_muon"] and g["detail_clip"] is not None:
-            # The clip bounds details normalized by Adam's denominators, a unitless bound. A Muon group has no
-            # denominator, so it would clamp raw gradient coefficients at a bound in gradient units: a rule that
-            # moves with the loss scale, and in a gradient-clipped LM a silent no-op (at the 16M budget a run with
-            # it stayed within rounding of the unclipped one; the largest raw detail was 0.023).
+            # A unitless bound on normalized details would clamp raw ones in gradient units (docs/families.md).
             raise ValueError(
                 f"detail_clip={g['detail_clip']!r} does not apply to a use_muon group: its details are raw gradient "
                 "coefficients, not normalized ones (Newton-Schulz normalizes the whole step); leave it None"
             )
         check_adam_hyperparameters(g)  # the AdamW groups' betas and eps
 
-    # Groups with use_muon=False run GWT-AdamW's halves (adamw.moments, adamw.apply).
+    # Groups with use_muon=False are GWT-AdamW's: its state and halves (adamw.init_state, moments, apply).
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
-        if group["use_muon"]:
-            state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype,
-                                                        memory_format=torch.contiguous_format)
-        else:
-            state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
+        if not group["use_muon"]:
+            return adamw.init_state(group, state, approx, moment_dtype)
+        state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
     def _limiter_enabled(self, group, transformed) -> bool:
         # Newton-Schulz divides by the norm first, so the limiter would cancel.
