@@ -33,19 +33,13 @@ __all__ = ["BACKENDS", "BACKEND_OPTIONS", "FusedBackend", "FusedAdamWBackend", "
 
 
 class FusedBackend(Protocol):
-    """A fused kernel backend for the Haar GWT-AdamW step. The optimizer asks
-    nothing of it but its :attr:`capabilities`, and has checked each
-    parameter's state (:func:`gwt_optim.optim._saved.state_problem`) before
-    handing it over.
-
-    A backend whose capabilities say ``plans`` also provides
-    ``step_batches(batches, limiter_eps, *, key)``: :meth:`step_many` for one
-    of the stepper's plans, a list of :class:`~gwt_optim.optim._stepper.StepBatch`
-    that stays the same from step to step. ``key`` names the plan (``"step"``,
-    or a parameter's id for ``step_param``); a backend may cache what it
-    derives from a list until another comes under the same key, or until
-    ``invalidate()`` (``load_state_dict``, ``add_param_group``).
-    """
+    """A fused backend of the Haar GWT-AdamW step. Nothing is asked of it but
+    its :attr:`capabilities`; each parameter's state is checked
+    (:func:`gwt_optim.optim._saved.state_problem`) before it is handed over.
+    With ``capabilities.plans`` it also has ``step_batches(batches,
+    limiter_eps, *, key)`` (:meth:`step_many` for a plan's StepBatch list,
+    which it may cache by ``key`` until another list comes under that key) and
+    ``invalidate()``."""
 
     name: str
     capabilities: Capabilities
@@ -54,19 +48,16 @@ class FusedBackend(Protocol):
         """Build or compile what this parameter needs, before any state changes."""
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int) -> tuple[float | Tensor, Any]:
-        """Update the moments; return the limiter's squared norm and a carry
-        (a finite gradient only)."""
+        """Update the moments (a finite gradient); the limiter's ||U||^2 and a carry."""
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, scale: float,
                decay: float) -> None:
         """``w <- w * decay - scale / r * delta``, right after phase 1 or later."""
 
     def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | tuple[Tensor, ...]:
-        """Whole steps of ``(ParamStep, scale, decay)`` items. A parameter whose
-        gradient is not finite keeps its weight, moments and ``limiter_norm``.
-        Returns the ParamSteps so skipped (CPU), or a tuple of the backend's
-        running counts on the devices (0-d integer tensors its kernels add the
-        skips to), so that counting needs no host sync."""
+        """Whole steps of ``(ParamStep, scale, decay)`` items; a parameter with a
+        non-finite gradient keeps its weight and state. Returns the ParamSteps
+        so skipped, or a tuple of running device counts (no host sync)."""
 
 
 class FusedAdamWBackend:

@@ -1,26 +1,17 @@
-r"""Blockwise 8-bit optimizer moments (``moment_dtype="int8"``).
+r"""Blockwise 8-bit optimizer moments (``moment_dtype="int8"``): the scheme of
+bitsandbytes' 8-bit optimizers (Dettmers et al., 2022) as torchao ships it.
+Each block of :data:`BLOCK` = 256 values is scaled by its absolute maximum and
+rounded to the nearest of 256 values of the *dynamic map* (signed moments the
+signed map, non-negative ones the unsigned one); :class:`Quantized` shows the
+codes to :func:`gwt_optim.optim.functional.adamw_moments` as a moment.
 
-The scheme of bitsandbytes' 8-bit optimizers (Dettmers et al., 2022,
-arXiv 2110.02861) as torchao ships it: each block of :data:`BLOCK` = 256
-values is scaled by its absolute maximum and every scaled value is rounded to
-the nearest entry of the 256-value *dynamic map* (a dynamic-exponent code that
-spends its resolution near zero: about 7 decades of range). Signed moments use
-the signed map, non-negative ones the unsigned map.
-
-State stays plain tensors, so ``torch.load(weights_only=True)`` reads it and a
-``state_dict`` round trip is bitwise: ``codes`` (uint8, the moment's shape) and
-``absmax`` (float32, shape ``(*leading, ceil(n / 256))``). Blocks run along
-the last axis *within each row* (the last one zero-padded), not over the
-flattened tensor as in torchao: the scales are then row-aligned like the
-moment, so they shard and reshard with a parameter's rows under FSDP2, and no
-shape needs a multiple of 256.
-
-Written here on plain torch ops, rather than calling ``torchao.optim``'s
-``quant_utils``, because its ``scale_tensor``/``dequant_with_qmap`` assume
-flat blocks over a multiple of 256 values, importing torchao costs seconds and
-is an optional extra, and checkpoints must not depend on which torchao is
-installed. ``tests/test_quant.py`` checks that the map and the rounding equal
-torchao's (``create_dynamic_map``, ``quantize_8bit_with_qmap``).
+Blocks run along the last axis within each row (the last one zero-padded),
+not over the flattened tensor as in torchao: the scales are row-aligned like
+the moment, so they shard with a parameter's rows under FSDP2, and no shape
+needs a multiple of 256. Plain torch ops rather than torchao's ``quant_utils``
+(which assume flat blocks over a multiple of 256): checkpoints must not
+depend on which torchao is installed. ``tests/test_quant.py`` checks the map
+and the rounding against torchao's.
 """
 
 from __future__ import annotations
@@ -108,10 +99,10 @@ def dequantize(codes: Tensor, absmax: Tensor, *, signed: bool, dtype: torch.dtyp
 
 class Quantized:
     """An int8 moment as :func:`gwt_optim.optim.functional.adamw_moments`
-    reads it, like a low-precision tensor: ``.to(dtype)`` dequantizes and
-    ``.copy_(x)`` quantizes. The state holds its ``codes`` and ``absmax`` as
-    plain tensors (so a state dict loads with ``weights_only=True`` and round
-    trips bitwise); this wraps them for one step.
+    reads a low-precision one: ``.to(dtype)`` dequantizes, ``.copy_(x)``
+    quantizes. The state keeps ``codes`` (uint8) and ``absmax`` (fp32) as plain
+    tensors, so a state dict loads with ``weights_only=True`` and round trips
+    bitwise; this wraps them for one step.
 
     ``root``: the codes hold :math:`\\sqrt V`, not :math:`V` (``exp_avg_sq``):
     the details are divided by :math:`\\sqrt V + \\epsilon'`, and a :math:`V`

@@ -1,14 +1,10 @@
 """The machinery of one ``step()``: each parameter's backend
-(:func:`~gwt_optim.optim._backends.choose`), its state created or checked and
-its step counted, the family's eager halves around the limiter, and the
-batched fused backends under a :class:`Plan` that repeats a step while nothing
-it depends on has changed.
-
-A plan covers a *scope*: every parameter (:meth:`Stepper.step`, key
-:data:`STEP`) or one (:meth:`Stepper.step_param`, key ``id(param)``, for
-``step_in_backward``). The stepper reads the optimizer's state and groups and
-calls the family's rule (its state and its two halves); it returns what it
-skipped for a non-finite gradient, which the optimizer counts.
+(:func:`~gwt_optim.optim._backends.choose`), its state created or checked, its
+step counted, the family's eager halves around the limiter, and the batched
+fused backends under a :class:`Plan` per scope (every parameter, key
+:data:`STEP`, or one for ``step_param``, key ``id(param)``), repeated while
+nothing it depends on has changed. It calls only the family's rule (its state
+and halves) and returns what it skipped, which the optimizer counts.
 """
 
 from __future__ import annotations
@@ -56,9 +52,7 @@ class ParamStep:
 
     param: Tensor  # the (local) parameter tensor
     full_param: Tensor  # the parameter as the user holds it (maybe a DTensor)
-    # The (local) gradient: in its own dtype when the fused backend reads that
-    # dtype, else in the compute dtype.
-    grad: Tensor
+    grad: Tensor  # the (local) gradient as the step reads it (choose's Route.grad)
     state: dict  # the (local) state
     group: dict
     transformed: bool  # two or more dimensions: the wavelet step, scale and limiter apply
@@ -75,19 +69,15 @@ class ParamStep:
 
 @dataclass
 class StepBatch:
-    """Whole steps a batched fused backend runs with one set of scalars: the
-    ParamSteps of one group and one step count, whose step scale alpha is all
-    the group's or all 1 (transformed parameters, or not, unless alpha = 1).
+    """Whole steps a batched backend runs with one set of scalars: the
+    ParamSteps of one group and step count whose alpha is all the group's or all 1.
 
-    While a plan holds, the stepper hands a backend's ``step_batches`` the
-    same list of the same StepBatch objects, with the same ``steps`` lists, on
-    every step, updating only ``step``, ``scale`` and ``decay`` and each
-    ParamStep's ``grad`` and ``step``; a backend may cache what it derives
-    from them by identity (and by the plan's ``key``). The plan has then
-    checked that all but the gradients is as it was when it was made: the
-    parameters (address, shape, strides, dtype, device) and their state (the
-    same tensors at the same addresses). A gradient may be a new tensor, of
-    the same dtype, shape, strides and device.
+    While a plan holds, a backend's ``step_batches`` gets the same list of the
+    same StepBatches every step, only ``step``, ``scale``, ``decay`` and each
+    ParamStep's ``grad`` and ``step`` updated, so it may cache what it derives
+    by identity: the plan has checked the parameters (address, shape, strides,
+    dtype, device) and state tensors (the same, at the same addresses); a
+    gradient may be a new tensor of the same dtype, shape, strides and device.
     """
 
     steps: list[ParamStep]
@@ -143,18 +133,15 @@ class Plan:
     flat: list[StepBatch]  # the same StepBatches in one list
 
     def holds_scope(self, groups: list[dict], params: list[Tensor], states: list) -> bool:
-        """Whether the scope is as it was: the same group dicts (the batches
-        read their lr and weight decay), parameters and state dicts, in order
-        (no hashing of parameters: one replaced, added or removed shows)."""
+        """Whether the scope is as it was: the same group dicts, parameters and
+        state dicts, in order (one replaced, added or removed shows)."""
         return _same(groups, self.groups) and _same(params, self.params) and _same(states, self.states)
 
     def grads(self, state: dict) -> list[Tensor] | None:
-        """The planned parameters' gradients if this step may repeat the plan,
-        else None, once its owner has found its scope as it was: with the
-        groups' routing options and the step counts as they were (nothing
-        wrote them but the plan), the planned parameters and their state
-        tensors as they were (see :class:`StepBatch`), and gradients the
-        backends take the same way."""
+        """The planned gradients if this step, its scope as it was, may repeat
+        the plan: the groups' routing options and the step counts as they were
+        (nothing wrote them but the plan), the planned parameters and state
+        tensors too (see :class:`StepBatch`), and gradients of the same layout."""
         if (self.state is not state or self.counter._version != self.version
                 or list(map(route_key, self.groups)) != self.routes):
             return None
@@ -256,57 +243,44 @@ class Stepper:
     def step(self, opt: Any, skipped: list) -> None:
         """One step of every parameter of ``opt`` with a gradient."""
         groups, state = opt.param_groups, opt.state
+        self._run(opt, STEP, groups, [p for g in groups for p in g["params"]], lambda: list(state.values()),
+                  lambda: [(p, g) for g in groups for p in g["params"]], skipped)
+
+    def step_param(self, opt: Any, p: Tensor, group: dict, skipped: list) -> None:
+        """The step of ``p`` alone, as :meth:`step` takes it, under a plan of its own."""
+        self._run(opt, id(p), [group], [p], lambda: [opt.state.get(p)], lambda: [(p, group)], skipped)
+
+    def _run(self, opt: Any, key: Hashable, groups: list[dict], params: list[Tensor], states: Callable[[], list],
+             pairs: Callable[[], list[tuple[Tensor, dict]]], skipped: list) -> None:
+        """The plan under ``key`` where it holds (and every check for the scope's
+        other parameters), else every check for all of them and a new plan.
+        ``states`` and ``pairs`` give the scope's state dicts (as they are when
+        called) and ``(parameter, group)`` pairs."""
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
-        plan = self.plans.get(STEP)
-        grads = None
-        if plan is not None and plan.holds_scope(groups, [p for g in groups for p in g["params"]],
-                                                 list(state.values())):
-            grads = plan.grads(state)
+        plan = self.plans.get(key)
+        grads = plan.grads(opt.state) if plan is not None and plan.holds_scope(groups, params, states()) else None
         if grads is not None:
             if plan.rest:
                 self._each(opt, plan.rest, batched, deferred, skipped)
                 # A parameter joined the batched kernels: plan again next time.
                 # (One the plan cannot hold, a gradient cast on every step, stays out.)
                 if any(map(plannable, batched)):
-                    del self.plans[STEP]
+                    del self.plans[key]
             plan.run(grads, skipped)
         else:
-            self.plans.pop(STEP, None)
-            pairs = [(p, g) for g in groups for p in g["params"]]
-            self._each(opt, pairs, batched, deferred, skipped)
-            plan, batched = make_plan(state, STEP, batched, pairs, groups, list(state.values()))
+            self.plans.pop(key, None)
+            scope = pairs()
+            self._each(opt, scope, batched, deferred, skipped)
+            plan, batched = make_plan(opt.state, key, batched, scope, groups, states())
             if plan is not None:
-                self.plans[STEP] = plan
+                self.plans[key] = plan
                 plan.run(None, skipped)
         self._finish(opt, batched, deferred, skipped)
 
-    def step_param(self, opt: Any, p: Tensor, group: dict, skipped: list) -> None:
-        """The step of ``p`` alone, as :meth:`step` takes it, under a plan of its own."""
-        key = id(p)
-        plan = self.plans.get(key)
-        if plan is not None:
-            # Its scope, one parameter: the same parameter, group and state dict.
-            same = plan.params[0] is p and plan.groups[0] is group and plan.states[0] is opt.state.get(p)
-            grads = plan.grads(opt.state) if same else None
-            if grads is not None:
-                plan.run(grads, skipped)
-                return
-            del self.plans[key]
-        batched: list[ParamStep] = []
-        deferred: list[ParamStep] = []
-        self._each(opt, [(p, group)], batched, deferred, skipped)
-        plan, batched = make_plan(opt.state, key, batched, [(p, group)], [group], [opt.state.get(p)])
-        if plan is not None:
-            self.plans[key] = plan
-            plan.run(None, skipped)
-        self._finish(opt, batched, deferred, skipped)
-
     def drop(self) -> None:
-        """Forget every plan and state shape, and the tables their backends
-        keep for the plans: those reach the old state tensors, which a loaded
-        state dict replaces (kept, they would hold a second copy of the
-        moments until each parameter's next step)."""
+        """Forget every plan and state shape, and the backends' tables for the
+        plans: those reach the state tensors a loaded state dict replaces."""
         backends = {id(b): b for plan in self.plans.values() for b, _ in plan.batches}
         for backend in backends.values():
             if backend.capabilities.plans:
@@ -348,9 +322,8 @@ class Stepper:
 
     def _phase1(self, opt: Any, p: Tensor, group: dict, finite: bool | None, skipped: list) -> ParamStep | None:
         """The backend, the state (created, or checked), the step count; then,
-        with a finite gradient (``finite``: known already, else read here),
-        the step's first half: the fused backend's phase 1 or the family's
-        eager moments. A batched step runs later, whole."""
+        with a finite gradient (``finite``: known already, else read here), the
+        fused phase 1 or the family's first half. A batched step runs later, whole."""
         state, w, sharded = opt.state[p], local(p), is_dtensor(p)
         if sharded:
             check_sharding(p)
@@ -470,14 +443,10 @@ _untraced_pending: list[tuple[Callable, list]] = []
 
 
 def untraced(fn: Callable) -> Callable:
-    """``fn`` as ``torch.compiler.disable(fn, reason=...)`` makes it: a compiled
-    caller runs it eagerly, and ``fullgraph=True`` fails with that reason.
-
-    The disabled function is made by :func:`make_untraced` when the first
-    optimizer is made, not at import: importing ``torch._dynamo`` takes
-    seconds (torch's ``Optimizer.add_param_group`` imports it on the first
-    construction anyway), and under tracing it is too late to make it (Dynamo
-    cannot trace ``torch.compiler.disable``)."""
+    """``fn`` as ``torch.compiler.disable(fn, reason=...)`` makes it, made by
+    :func:`make_untraced` with the first optimizer, not at import: importing
+    ``torch._dynamo`` takes seconds (torch's ``add_param_group`` imports it
+    anyway), and under tracing it is too late (Dynamo cannot trace ``disable``)."""
     disabled: list[Callable] = []
 
     @functools.wraps(fn)
