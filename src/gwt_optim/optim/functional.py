@@ -18,11 +18,12 @@ no optimizer object. The notation is the paper's (Wen et al., 2025, Alg. 1;
    family's step factor :math:`c_t`.
 
 :func:`gwt_adamw`, :func:`gwt_muon`, :func:`gwt_adam_mini` and
-:func:`gwt_adafactor` are each family's whole step. They are made of the
-pieces above them, which the optimizers' eager path calls in the same order
-(it splits the step around the limiter, whose norm FSDP2 sums across ranks),
-so the two agree bit for bit; the fused backends (native C, Triton, the
-batched stepper) are tested against the ``gwt_*`` functions.
+:func:`gwt_adafactor` are each family's whole step: its two halves,
+``gwt_*_moments`` (steps 1-2, returning :class:`Moments`) and ``gwt_*_apply``
+(steps 4-5), with the limiter (step 3) between them. The halves are what the
+optimizers' eager path runs, one call each, so the two agree bit for bit; the
+split is where FSDP2 sums the limiter's norms across ranks. The fused
+backends (native C, Triton) are tested against the ``gwt_*`` functions.
 
 For Haar (``impl="fast"``) the transform and its inverse run in closed form:
 level :math:`l` mixes only blocks of :math:`2^l` adjacent entries, with
