@@ -197,7 +197,7 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
     p.grad = torch.randn(8, 32).bfloat16()
     opt.step()
     (ps,) = _plan(opt).steps
-    assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.fused.name == "triton"
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.backend.name == "triton"
     assert [layout[:2] for layout in _plan(opt).layouts] == [(torch.bfloat16, True)]
 
 

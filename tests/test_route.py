@@ -135,9 +135,9 @@ def _check(case, monkeypatch=None):
         p.grad = grad
         opt.step()
     (ps,) = seen
-    assert ps.batched == (path == "batched") and getattr(ps.fused, "name", None) == backend
+    assert ps.batched == (path == "batched") and getattr(ps.backend, "name", None) == backend
     assert ps.transformed == (len(shape) >= 2)
-    assert (ps.fused is None and ps.carry.coeffs is not None) == (path == "reference")
+    assert (ps.backend is None and ps.carry.coeffs is not None) == (path == "reference")
     assert ps.level == level
 
 

@@ -59,7 +59,7 @@ class ParamStep:
     level: int
     limited: bool = False
     norm_sq: Tensor | float | None = None  # the limiter's ||U||^2 (a float from the native kernels)
-    fused: Any = None  # the fused backend running this parameter, if any
+    backend: Any = None  # the fused backend running this parameter; None: the family's eager halves
     # What phase 1 leaves for phase 2: the fused backend's carry, or the
     # eager path's functional.Moments (the family's first half).
     carry: Any = None
@@ -210,11 +210,11 @@ def make_plan(state: dict, key: Hashable, batched: list[ParamStep], pairs: list[
     by_backend: dict[int, tuple[Any, list[StepBatch]]] = {}
     for ps in planned:
         # alpha = 1 (a route_key option) lets weights and vectors share launches.
-        bkey = (id(ps.fused), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
+        bkey = (id(ps.backend), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
         batch = batches.get(bkey)
         if batch is None:
             batch = batches[bkey] = StepBatch([], ps.group, ps.step, bkey[-1])
-            by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append(batch)
+            by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append(batch)
         batch.steps.append(ps)
     values = [v for ps in planned for v in ps.state.values()]
     plan = Plan(
@@ -367,7 +367,7 @@ class Stepper:
         if finite is False:
             skipped.append(p)
             return None
-        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, fused=fused, step=step, batched=batched)
+        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, backend=fused, step=step, batched=batched)
         if batched:
             return ps
         if fused is not None:
@@ -383,7 +383,7 @@ class Stepper:
         by_backend: dict[int, tuple[Any, list]] = {}
         for ps in batched:
             scale, decay = _scalars(ps.group, ps.step, ps.group["scale"] if ps.transformed else 1.0)
-            by_backend.setdefault(id(ps.fused), (ps.fused, []))[1].append((ps, scale, decay))
+            by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append((ps, scale, decay))
         for backend, items in by_backend.values():
             skipped.append(backend.step_many(items, LIMITER_EPS))
         reduce_limiter_norms(deferred)
@@ -397,13 +397,13 @@ def _phase2(opt: Any, ps: ParamStep) -> None:
     group = ps.group
     r = limiter_ratio(ps.norm_sq, ps.state["limiter_norm"], ps.step, group["norm_growth_limit"]) if ps.limited \
         else 1.0
-    if ps.fused is None:
+    if ps.backend is None:
         opt._apply(group, ps.param, ps.carry, r, ps.step)
         return
     lr = group_lr(group)
     step_size = lr * adam_step_factor(ps.step, *group["betas"])
     scale = group["scale"] if ps.transformed else 1.0
-    ps.fused.phase2(ps.param, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
+    ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
 
 
 def _needs_collective(ps: ParamStep) -> bool:
