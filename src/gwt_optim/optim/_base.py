@@ -217,6 +217,9 @@ class GWTOptimizer(Optimizer):
         self._impl = impl
         self._compile = compile
         self._init_bookkeeping()
+        if not isinstance(params, Tensor):
+            params = list(params)  # a generator (model.parameters()) can be read once
+            _say_what_a_flat_list_does(self._family, params, base)
         super().__init__(params, base)
 
     #: The family's name in messages and in saved state dicts.
@@ -813,6 +816,33 @@ class GWTOptimizer(Optimizer):
             return
         delta = self._direction(ps, r)
         apply_update(w, delta, lr=lr, weight_decay=group["weight_decay"], step_size=step_size)
+
+
+_said_flat = False
+
+
+def _say_what_a_flat_list_does(family: str, params: list, group: dict) -> None:
+    """Warn once per process when a plain list of tensors (``model.parameters()``,
+    the torch habit) puts embeddings and the output head under the transform:
+    every tensor of two or more dimensions is transformed, where the paper
+    transforms only the attention and MLP weights. Param groups say what the
+    user chose, and are never warned about."""
+    global _said_flat
+    if _said_flat or not params or not all(isinstance(p, Tensor) for p in params) or not group["level"]:
+        return
+    mats = [p for p in params if p.ndim >= 2]
+    if not mats:
+        return
+    _said_flat = True
+    warnings.warn(
+        f"{family}: a plain list of parameters transforms all {len(mats)} tensors with two or more dimensions "
+        f"({sum(p.numel() for p in mats):,} values) at level {group['level']}, embeddings and output head "
+        f"included, each stepping at scale {group['scale']:g} x lr; the paper transforms only attention and MLP "
+        "weights. For its split pass gwt_optim.gwt_param_groups(model), or param groups of your own (then this "
+        "is not said)",
+        UserWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 def _is_real(x: Any) -> bool:
