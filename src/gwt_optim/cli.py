@@ -49,9 +49,10 @@ def missing_extra(exc: BaseException) -> str | None:
 
 def _install_hint(exc: ModuleNotFoundError, extra: str) -> Exception:
     from gwt_optim.registry import MissingDependency
+    from gwt_optim.toolkit.errors import install_command
 
     return MissingDependency(f"{exc.name.split('.')[0]!r} is not installed: install gwt-optim[{extra}] "
-                             f"(pip install 'gwt-optim[{extra}]')")
+                             f"({install_command(extra)})")
 
 
 def _with_install_hint(func: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int | None]:
