@@ -356,6 +356,17 @@ class GWTOptimizer(Optimizer):
             raise ValueError(
                 f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized"
             )
+        if p.ndim >= 2 and p.shape[-1] and group["level"] > (p.shape[-1] - 1).bit_length():
+            # ceil(log2 n) levels average a whole row; each further one only mixes in padding zeros, which
+            # shrinks the approximation's share of the step and inflates the details'. Zero padding is
+            # the documented rule for a short axis, so this is said, not refused.
+            warnings.warn(
+                f"{self._family}: {where} has {p.shape[-1]} columns, fewer than level {group['level']} can use "
+                f"(at most level {(p.shape[-1] - 1).bit_length()}): its rows are zero-padded to "
+                f"{1 << group['level']} and the step degenerates; give it a group of a lower level",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
     def _init_family_state(
         self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype, transformed: bool
