@@ -429,3 +429,18 @@ def test_the_plots_keep_every_label_inside_the_figure_and_apart(tmp_path):
     paths = report.write_report(runs, tmp_path / "report")
     for png in (paths["val_loss"], paths["memory"]):
         assert png.stat().st_size > 10_000
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """`gwt-optim memory | head -3`: the reader leaves early, the command ends without a traceback."""
+    import subprocess
+    import sys
+
+    from _waiting import CAP_S
+
+    proc = subprocess.Popen([sys.executable, "-m", "gwt_optim", "memory"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # gone before the table is printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=CAP_S) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
