@@ -646,6 +646,14 @@ class _StopOnSignal:
         self._previous.clear()
 
 
+def _quiet_import_noise() -> None:
+    """Third-party import noise, quieted: what importing the toolkit already does
+    (:func:`gwt_optim.toolkit.quiet_third_party`); kept for ``benchmarks/big_model.py``."""
+    from gwt_optim.toolkit import quiet_third_party
+
+    quiet_third_party()
+
+
 def train(cfg: TrainConfig, callbacks: Iterable[Callback] = (), *, must_resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
