@@ -444,3 +444,13 @@ def test_output_cut_short_by_its_reader_ends_quietly():
     err = proc.stderr.read()
     assert proc.wait(timeout=CAP_S) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_run_folder_without_a_checkpoint_is_not_sent_to_resume(tmp_path, capsys):
+    """Without --resume, a folder holding a run with no checkpoint says what will work, not --resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert main(["pretrain", "--out", str(run), "--no-progress"]) == 2
+    line = _error(capsys)
+    assert "no checkpoint" in line and "--resume" not in line and "another --out" in line

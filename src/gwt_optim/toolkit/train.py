@@ -468,8 +468,9 @@ def _nothing_to_resume(run: Path) -> str:
     if not run.exists():
         return f"--resume: {run} does not exist, so there is no run to continue; drop --resume to start one there"
     if any((run / f).is_file() for f in _RUN_FILES):
-        return (f"--resume: {run} holds a run that saved no checkpoint (it stopped before its first one), so "
-                "there is nothing to continue; start afresh with another --out, or delete that folder first")
+        return (f"--resume: {run} holds a run with no checkpoint (it stopped before its first one, or its "
+                "checkpoints were removed), so there is nothing to continue; start afresh with another --out, or "
+                "delete that folder first")
     return f"--resume: no checkpoint in {run}, so there is no run to continue; drop --resume to start one there"
 
 
@@ -495,11 +496,15 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
         if not os.access(run, os.W_OK):
             raise PermissionError(13, "permission denied", str(run))
         held.enter_context(lock_run_dir(run))
-    if not cfg.resume and (list_checkpoints(run) or any((run / f).is_file() for f in _RUN_FILES)):
+    saved = list_checkpoints(run)
+    if not cfg.resume and (saved or any((run / f).is_file() for f in _RUN_FILES)):
+        if not saved:  # nothing --resume could continue: do not send the user there
+            raise FileExistsError(f"{run} holds an earlier run, with no checkpoint to continue from; choose another "
+                                  "--out, or delete that folder first")
         raise FileExistsError(
             f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
         )
-    if cfg.resume and must_resume and not list_checkpoints(run):
+    if cfg.resume and must_resume and not saved:
         raise UsageError(_nothing_to_resume(run))
     if cfg.resume:
         try:
