@@ -155,7 +155,7 @@ def main(argv=None) -> int:
 
     from gwt_optim.toolkit.metrics import current_rss_bytes, peak_rss_bytes
     from gwt_optim.toolkit.registry import parse_optimizer_arg
-    from gwt_optim.toolkit.quiet import quiet_third_party
+    from gwt_optim.toolkit import quiet_third_party
 
     quiet_third_party()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

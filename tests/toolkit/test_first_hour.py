@@ -360,3 +360,97 @@ def test_the_memory_table_names_a_custom_shape_by_its_file(tmp_path, capsys):
         assert "MY_SHAPE" not in out and "CONFIG.JSON" not in out and ".json" not in out.split("\n", 1)[1]
         assert "my_shape" in out and "my-model" in out
         assert "fp32 state | my_shape adamw, bf16 state |" in out if extra else "| optimizer | 7B | my_shape | my-model |" in out
+
+
+# ----------------------------------------------------------------- the report: names and plots
+
+
+def _demo_like_runs(root: Path) -> Path:
+    """Finished runs as the demo's six (docs/benchmarks.md: its matrix lrs, losses and state), without training."""
+    import json
+    import math
+
+    from gwt_optim.toolkit import recipes
+    from gwt_optim.toolkit.registry import parse_optimizer_arg
+
+    results = [(5.2937, 14.13), (5.4243, 14.13), (5.1710, 9.54), (5.2819, 11.29), (4.8473, 11.07), (4.7696, 8.77)]
+    for i, (spec, (loss, mib)) in enumerate(zip(recipes.DEMO_OPTIMIZERS, results)):
+        name, opts = parse_optimizer_arg(spec)
+        run = root / f"{i:02d}-{name}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({
+            "optimizer": spec, "optimizer_name": name, "lr": opts["lr"], "scale": 1.0, "options": opts,
+            "val_loss": loss, "val_ppl": math.exp(loss), "state_bytes": mib * 2**20, "peak_rss_bytes": 9e8,
+            "ms_per_step": 1100.0, "tokens_per_s": 7400.0, "steps": 100, "tokens": 819_200, "params": 1.9e6,
+            "model": "llama_9m", "data": "pysrc-small", "seed": 1}))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "val_loss": loss + (100 - s) / 40}) + "\n" for s in (25, 50, 75, 100)))
+    return root
+
+
+def test_the_frozen_matrix_row_has_its_own_name(tmp_path, capsys):
+    runs = _demo_like_runs(tmp_path / "runs")
+    assert main(["report", str(runs)]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| adamw")]
+    names = [r.split(" | ")[0] for r in rows]
+    assert names == ["| adamw (beta2=0.95, regular_lr=0.003)",
+                     "| adamw, frozen matrices (beta2=0.95, regular_lr=0.003)"], rows
+
+
+def test_the_plots_keep_every_label_inside_the_figure_and_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from gwt_optim.toolkit import plots, report
+
+    runs = report.find_runs([_demo_like_runs(tmp_path / "runs")])
+    summaries = [report.load_run(r)[0] for r in runs]
+    shared = report.shared_options(summaries)
+    assert shared == {"beta2": 0.95, "regular_lr": 0.003}
+    labels = [report.label(s, leave_out=tuple(shared)) for s in summaries]
+    assert len(set(labels)) == len(labels)  # the frozen row too
+    for fig in (plots.memory_vs_perplexity_figure(summaries, labels),
+                plots.validation_loss_figure([(lab, report.load_run(r)[1]) for lab, r in zip(labels, runs)])):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        inside = ax.get_window_extent(renderer)
+        numbers = [t.get_window_extent(renderer) for t in ax.texts]
+        for box in numbers:  # a point's number stays in the axes ...
+            assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+        for i, a in enumerate(numbers):  # ... and clear of the others
+            assert not any(a.overlaps(b) for b in numbers[i + 1:])
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.y1 < inside.y0  # the labels are below the axes, not over the data
+        saved = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # bbox_inches="tight", in pixels
+        assert saved.x0 <= legend.x0 + 1 and legend.x1 <= saved.x1 + 1 and saved.y0 <= legend.y0 + 1
+        texts = [t.get_window_extent(renderer) for t in ax.get_legend().get_texts()]
+        assert all(not a.overlaps(b) for i, a in enumerate(texts) for b in texts[i + 1:])
+        plt.close(fig)
+    paths = report.write_report(runs, tmp_path / "report")
+    for png in (paths["val_loss"], paths["memory"]):
+        assert png.stat().st_size > 10_000
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """`gwt-optim memory | head -3`: the reader leaves early, the command ends without a traceback."""
+    import subprocess
+    import sys
+
+    from _waiting import CAP_S
+
+    proc = subprocess.Popen([sys.executable, "-m", "gwt_optim", "memory"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # gone before the table is printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=CAP_S) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_run_folder_without_a_checkpoint_is_not_sent_to_resume(tmp_path, capsys):
+    """Without --resume, a folder holding a run with no checkpoint says what will work, not --resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert main(["pretrain", "--out", str(run), "--no-progress"]) == 2
+    line = _error(capsys)
+    assert "no checkpoint" in line and "--resume" not in line and "another --out" in line

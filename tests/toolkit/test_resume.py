@@ -257,7 +257,8 @@ def test_a_new_run_never_replaces_a_finished_one(tiny_config, tmp_path):
     train(cfg)
     shutil.rmtree(Path(cfg.out) / "checkpoints")  # even without its checkpoints
     before = (Path(cfg.out) / "summary.json").read_text()
-    with pytest.raises(FileExistsError, match="--resume"):
+    # (with nothing to resume, the message sends the user to another --out, not to --resume)
+    with pytest.raises(FileExistsError, match="no checkpoint to continue from; choose another --out"):
         train(tiny_config(out=cfg.out, steps=3))
     assert (Path(cfg.out) / "summary.json").read_text() == before
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
+from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_flat_list_does
 from gwt_optim.optim._backends import MOMENT_DTYPES
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, shipped_families
@@ -55,8 +56,7 @@ class GWTOptimizer(Optimizer):
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
         base = {
             "level": 2, "wavelet": wavelets.HAAR, "scale": 0.25, "norm_growth_limit": 1.01, "moment_dtype": None,
-            # Opt-in small-batch remedy (docs/algorithm.md, "Detail clipping"): None is the paper's update.
-            "detail_clip": None,
+            "detail_clip": None,  # opt-in small-batch remedy (docs/algorithm.md): None is the paper's update
             # The transfer rule (functional.match_row_rms); False is the paper's step size.
             "match_rms": False,
         }
@@ -65,6 +65,8 @@ class GWTOptimizer(Optimizer):
         self._impl = impl
         self._backend, self._strict = backend_option(backend, compile)
         self._init_bookkeeping()
+        params = params if isinstance(params, Tensor) else list(params)  # a generator can be read once
+        say_what_a_flat_list_does(self._family, params, base)
         super().__init__(params, base)
 
     def _init_bookkeeping(self) -> None:
@@ -132,10 +134,8 @@ class GWTOptimizer(Optimizer):
         if not _is_real(wd) or not 0.0 <= wd:
             raise ValueError(f"Invalid weight_decay value: {wd!r} (must be a number >= 0)")
         level = g["level"]
-        if not isinstance(level, int) or isinstance(level, bool) or level < 0:
-            raise ValueError(f"Invalid level: {level!r} (must be an int >= 0)")
-        if level > 16:
-            raise ValueError(f"Invalid level: {level} (at most 16; each level halves the state)")
+        if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= 16:
+            raise ValueError(f"Invalid level: {level!r} (an int from 0 to 16; each level halves the state)")
         if not isinstance(g["wavelet"], str):
             raise ValueError(f"Invalid wavelet: {g['wavelet']!r} (a name such as 'haar')")
         wavelets.check_wavelet(g["wavelet"])
@@ -173,6 +173,7 @@ class GWTOptimizer(Optimizer):
             )
         if not p.is_floating_point():
             raise ValueError(f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized")
+        say_if_the_level_is_too_deep(self._family, p, group["level"], where)
 
     def _init_family_state(self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype,
                            transformed: bool) -> None:

@@ -198,9 +198,44 @@ def parse_optimizer_arg(text: str) -> tuple[str, dict[str, Any]]:
     return name, opts
 
 
+# The bounds of the settings that a flag (``--lr``) and an optimizer spec's option
+# (``gwt-adamw:lr=...``) both set: (minimum, strict). The toolkit's flags follow them too.
+SHARED_BOUNDS: dict[str, tuple[float, bool]] = {
+    "lr": (0, True), "regular_lr": (0, True), "scale": (0, True), "weight_decay": (0, False), "eps": (0, False),
+}
+
+
+def number_problem(name: str, value: Any, *, minimum: float, integer: bool = False,
+                   strict: bool = False) -> str | None:
+    """The one rule for a numeric setting: ``"NAME must be a number > 0, got V"``, or None when it holds."""
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if not ok or not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        return f"{name} must be {kind} {bound}, got {value!r}"
+    return None
+
+
+def spec_number_problem(text: str) -> str | None:
+    """What is wrong with ``text``'s shared numeric options by the rule of their flags, or None."""
+    for key, raw in split_spec(text)[1].items():
+        if key in SHARED_BOUNDS:
+            minimum, strict = SHARED_BOUNDS[key]
+            problem = number_problem(f"optimizer {text!r}: {key}", _convert(raw), minimum=minimum, strict=strict)
+            if problem:
+                return problem
+    return None
+
+
 def validate_optimizer_spec(text: str) -> None:
-    """Raise ``ValueError`` for an unknown name, option or option kind in ``text``."""
+    """Raise ``ValueError`` for an unknown name, option or option kind in ``text``, or
+    for a shared option out of the bounds its flag has (``gwt-adamw:lr=-1`` as ``--lr -1``)."""
     parse_optimizer_arg(text)
+    problem = spec_number_problem(text)
+    if problem:
+        raise ValueError(problem)
 
 
 def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:

@@ -215,10 +215,11 @@ def _rebuild(encoded: dict[str, Any], file: Path) -> Any:
     try:
         cls = getattr(importlib.import_module(module), cls_name)
     except ImportError:
+        from gwt_optim.toolkit.errors import install_command
         from gwt_optim.toolkit.registry import MissingDependency
 
         raise MissingDependency(f"{file} holds a {name}: install the package {module.split('.')[0]!r} "
-                                "(pip install 'gwt-optim[peers]')") from None
+                                f"({install_command('peers')})") from None
     obj = cls.__new__(cls)  # its attributes, not its constructor, make it what was saved
     obj.__dict__.update(_decode(attributes, file))
     return obj

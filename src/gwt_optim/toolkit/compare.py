@@ -248,7 +248,9 @@ def _demo_label(spec: str) -> str:
     name, *options = spec.split(":")
     opts = dict(o.split("=", 1) for o in options if "=" in o)
     label = ":".join([name, *(o for o in options if o.split("=")[0] not in ("lr", "regular_lr", "beta2"))])
-    return label + " with frozen matrices" if float(opts.get("lr", 1)) <= 1e-9 else label
+    from gwt_optim.toolkit.recipes import FROZEN_LR
+
+    return label + " with frozen matrices" if float(opts.get("lr", 1)) <= FROZEN_LR else label
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["UsageError", "register_user_error", "user_error_types", "one_line", "run_command", "EXIT_USAGE"]
+__all__ = ["UsageError", "register_user_error", "user_error_types", "one_line", "run_command", "EXIT_USAGE",
+           "install_command"]
 
 EXIT_USAGE = 2  # argparse's code for a bad command line
 
@@ -33,6 +34,12 @@ _USER_ERRNOS = frozenset(
 
 class UsageError(ValueError):
     """A setting, file or environment the user can fix; the message says how."""
+
+
+def install_command(extra: str) -> str:
+    """How to install gwt-optim's ``extra``, as the README installs the package: from its checkout
+    (a wheel built there installs by name too: ``pip install --find-links dist 'gwt-optim[EXTRA]'``)."""
+    return f"pip install -e '.[{extra}]' in the gwt-optim checkout"
 
 
 # The built-in kinds; the toolkit's own (DataUnavailable, MissingDependency,

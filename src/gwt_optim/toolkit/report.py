@@ -15,15 +15,37 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["register", "summary_table", "label", "find_runs", "load_run", "write_report"]
+__all__ = ["register", "summary_table", "label", "shared_options", "find_runs", "load_run", "write_report"]
 
 
-def label(summary: dict[str, Any]) -> str:
+def _frozen(summary: dict[str, Any]) -> bool:
+    from gwt_optim.toolkit.recipes import FROZEN_LR
+
+    lr = summary.get("lr")
+    return isinstance(lr, (int, float)) and 0 < lr <= FROZEN_LR
+
+
+def label(summary: dict[str, Any], *, leave_out: Sequence[str] = ()) -> str:
     """``gwt-adamw (level=2)``: the optimizer and its options other than lr/alpha,
-    which have their own columns."""
-    opts = {k: v for k, v in (summary.get("options") or {}).items() if k not in ("lr", "scale")}
+    which have their own columns (and those in ``leave_out``, said elsewhere). A run
+    at a matrix lr of :data:`~gwt_optim.toolkit.recipes.FROZEN_LR` or less is named
+    for what it is: ``adamw, frozen matrices (...)`` (``adamw, frozen`` without a
+    ``regular_lr`` training the rest)."""
+    options = summary.get("options") or {}
+    opts = {k: v for k, v in options.items() if k not in ("lr", "scale", *leave_out)}
     name = summary.get("optimizer_name") or summary["optimizer"].split(":")[0]
+    if _frozen(summary):
+        name += ", frozen matrices" if options.get("regular_lr") else ", frozen"
     return f"{name} ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else name
+
+
+def shared_options(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The options (other than lr and alpha) every one of several runs sets alike."""
+    if len(summaries) < 2:
+        return {}
+    first = {k: v for k, v in (summaries[0].get("options") or {}).items() if k not in ("lr", "scale")}
+    return {k: v for k, v in first.items() if all((s.get("options") or {}).get(k, object()) == v
+                                                   for s in summaries[1:])}
 
 
 def _mib(n: float | None) -> str:
@@ -132,7 +154,9 @@ def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimiz
     out.mkdir(parents=True, exist_ok=True)
     loaded = [load_run(r) for r in runs]
     summaries = [s for s, _ in loaded]
-    labels = [label(s) for s in summaries]
+    # The plots have room for short labels only: options every run shares go to the title.
+    shared = shared_options(summaries)
+    labels = [label(s, leave_out=tuple(shared)) for s in summaries]
     # The plots have no lr/alpha columns: name them when they differ between runs.
     for key, sym in (("lr", "lr"), ("scale", "α")):
         if len({s.get(key) for s in summaries}) > 1:
@@ -142,9 +166,12 @@ def write_report(runs: Sequence[Path], out: str | Path, *, title: str = "Optimiz
         f"{first.get('model')} ({first.get('params', 0) / 1e6:.2f}M params) on {first.get('data')}, "
         f"{first.get('steps')} steps, {first.get('tokens', 0):,} tokens, seed {first.get('seed')}"
     )
+    every = f"every run: {', '.join(f'{k}={v}' for k, v in shared.items())}" if shared else ""
     loss_png = plot_validation_loss(list(zip(labels, [m for _, m in loaded])), out / "val_loss.png",
-                                    title=f"Validation loss\n{setting}")
-    mem_png = plot_memory_vs_perplexity(summaries, labels, out / "memory_vs_ppl.png")
+                                    title="Validation loss\n" + setting + (f"\n{every}" if every else ""))
+    mem_png = plot_memory_vs_perplexity(summaries, labels, out / "memory_vs_ppl.png",
+                                        title="Memory vs quality (lower left is better)"
+                                        + (f"\n{every}" if every else ""))
     table = summary_table(summaries)
     md = "\n\n".join(
         part

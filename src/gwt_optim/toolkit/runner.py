@@ -479,12 +479,10 @@ class Runner:
         return self._launch(job, resume=resume)
 
     def _resumable(self, job: Any) -> bool:
-        """A run cut short after a checkpoint: ``pretrain --resume`` refuses a folder with none."""
-        from gwt_optim.toolkit.checkpoint import list_checkpoints
-
         run = self.run_dir(job)
+        ckpt = run / "checkpoints"
         try:
-            return (not (run / "summary.json").is_file() and bool(list_checkpoints(run))
+            return (not (run / "summary.json").is_file() and ckpt.is_dir() and any(ckpt.iterdir())
                     and same_config(_read_json(run / "config.json"), self.config(job)))
         except (OSError, json.JSONDecodeError):
             return False

