@@ -165,12 +165,14 @@ def match_row_rms(delta: Tensor, U: Tensor, coef) -> Tensor:
 
     ``U`` is Adam's update on the approximation coefficients, so its RMS is
     that of AdamW's update on the same gradients in both limits: pure noise
-    (:math:`pprox\sqrt{(1-eta_1)/(1+eta_1)}`) and a steady signal
-    (:math:`pprox 1`). The inverse transform returns :math:`U` to each entry
+    (:math:`\approx\sqrt{(1-\beta_1)/(1+\beta_1)}`) and a steady signal
+    (:math:`\approx 1`). The inverse transform returns :math:`U` to each entry
     as :math:`U\,2^{-l/2}` and adds the normalized details, whose size depends
     on the noise, the level and the clip: measured against AdamW the paper's
     update ranges from 0.5x to 30x (``benchmarks/update_rms.py``). Matched,
-    it carries AdamW's learning rate and weight decay. Rows (all leading
+    the step has AdamW's size, though not its signal: at the 16M-token budget,
+    at AdamW's lr, it ended behind AdamW (docs/results/transfer-cpu.md), so
+    it stays opt-in. Rows (all leading
     dimensions) rather than the whole matrix: a row is local to its FSDP2
     shard, and Adam's row-to-row differences in size are kept.
     """
