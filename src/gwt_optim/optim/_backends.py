@@ -37,6 +37,7 @@ class Capabilities:
     detail_clip: bool = False  # a clipped form of the details (group["detail_clip"])
     int8_moments: bool = False  # reads moment_dtype="int8" codes
     match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
+    adamw_units: bool = False  # U's part at AdamW's per-entry size (group["adamw_units"])
     # Runs whole steps (phase 1, limiter, phase 2) of many parameters in one
     # call (step_many): the "batched" path, and the plain level-0 step.
     batched: bool = False
@@ -69,6 +70,8 @@ class Capabilities:
             return "has no clipped form of the details (detail_clip)"
         if group["match_rms"] and level > 0 and not self.match_rms:
             return "has no row-RMS match of the update (match_rms)"
+        if group["adamw_units"] and level > 0 and not self.adamw_units:
+            return "has no gain on the approximation's part (adamw_units)"
         if group["moment_dtype"] == "int8" and not self.int8_moments:
             return "does not read int8 moments"
         if level == 0 and not self.batched:
@@ -207,7 +210,8 @@ def route_key(group: dict) -> tuple:
     """The group options that choose each parameter's backend and state,
     rather than only a kernel's arguments: a change makes a new step plan."""
     return (group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
-            group["norm_growth_limit"] is None, group["detail_clip"] is None, group["match_rms"])
+            group["norm_growth_limit"] is None, group["detail_clip"] is None, group["match_rms"],
+            group["adamw_units"])
 
 
 def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> list[str]:

@@ -59,6 +59,8 @@ class GWTOptimizer(Optimizer):
             "detail_clip": None,  # opt-in small-batch remedy (docs/algorithm.md): None is the paper's update
             # The transfer rule (functional.match_row_rms); False is the paper's step size.
             "match_rms": False,
+            # The approximation's part at AdamW's per-entry size (functional.approx_gain).
+            "adamw_units": False,
         }
         base.update(defaults)
         self._validate_group(base)
@@ -151,6 +153,8 @@ class GWTOptimizer(Optimizer):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
         if not isinstance(g["match_rms"], bool):
             raise ValueError(f"Invalid match_rms: {g['match_rms']!r} (True or False)")
+        if not isinstance(g["adamw_units"], bool):
+            raise ValueError(f"Invalid adamw_units: {g['adamw_units']!r} (True or False)")
         md = g["moment_dtype"]
         if md is not None and md not in MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)} or None)")
@@ -223,9 +227,9 @@ class GWTOptimizer(Optimizer):
             # torch's older state dicts hold the step as a number; the step reads a tensor.
             "state": {pid: {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and _is_real(v) else v
                             for k, v in st.items()} for pid, st in state_dict["state"].items()},
-            # A group saved before detail_clip or match_rms existed ran the
-            # paper's update: it keeps doing so rather than taking today's default.
-            "param_groups": [{"detail_clip": None, "match_rms": False, **{k: v for k, v in g.items() if k != "optimizer"}}
+            # A group saved before detail_clip, match_rms or adamw_units existed
+            # ran the paper's update: it keeps doing so rather than taking today's default.
+            "param_groups": [{"detail_clip": None, "match_rms": False, "adamw_units": False, **{k: v for k, v in g.items() if k != "optimizer"}}
                              for g in saved_groups],
         }
         check_saved_state(self, state_dict)

@@ -50,6 +50,9 @@ class GWTAdamW(GWTOptimizer):
             ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`).
         match_rms: the transfer rule: each row of the update rescaled to the
             RMS of U's row (:func:`~gwt_optim.optim.functional.match_row_rms`).
+        adamw_units: the approximation's part of the update at AdamW's
+            per-entry size, U rather than U 2^(-l/2)
+            (:func:`~gwt_optim.optim.functional.approx_gain`).
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
         backend: where the fast Haar step runs: ``"auto"`` (default) takes
@@ -83,6 +86,7 @@ class GWTAdamW(GWTOptimizer):
         *,
         detail_clip: float | None = 0.5,
         match_rms: bool = False,
+        adamw_units: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
@@ -92,7 +96,7 @@ class GWTAdamW(GWTOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             detail_clip=detail_clip, moment_dtype=moment_dtype,
-            match_rms=match_rms,
+            match_rms=match_rms, adamw_units=adamw_units,
         )
         super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
@@ -134,4 +138,4 @@ def apply(group: dict, W: Tensor, m: F.Moments, r, step: int) -> None:
     beta1, beta2 = group["betas"]
     F.gwt_adamw_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
                       weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"],
-                      match_rms=group["match_rms"])
+                      match_rms=group["match_rms"], adamw_units=group["adamw_units"])

@@ -287,6 +287,7 @@ GWT_OPTIONS: dict[str, Any] = {
     "norm_growth_limit": 1.01,
     "detail_clip": None,
     "match_rms": None,  # the transfer rule (functional.match_row_rms); None: the class's default
+    "adamw_units": None,  # U's part at AdamW's per-entry size (functional.approx_gain); None: the default
     "impl": "fast",
     "moment_dtype": None,
 }
@@ -295,13 +296,13 @@ GWT_OPTIONS: dict[str, Any] = {
 def gwt_group_options(cfg: OptimizerConfig) -> dict[str, Any]:
     """Pop the shared GWT options: the transform's keyword arguments of
     :func:`gwt_optim.groups.gwt_param_groups` plus ``detail_clip``."""
-    match_rms = cfg.pop("match_rms")
+    rules = {k: v for k in ("match_rms", "adamw_units") if (v := cfg.pop(k)) is not None}
     return {
         "level": cfg.pop("level"),
         "wavelet": cfg.pop("wavelet"),
         "norm_growth_limit": cfg.pop("norm_growth_limit"),
         "transformed_options": {"detail_clip": cfg.pop("detail_clip"),
-                                **({} if match_rms is None else {"match_rms": match_rms})},
+                                **rules},
     }
 
 
