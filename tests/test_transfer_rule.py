@@ -170,3 +170,74 @@ def test_a_plain_parameter_list_says_once_what_it_transforms(monkeypatch):
         GWTAdamW(model.parameters(), lr=1e-3, level=0)  # nothing is transformed
         GWTAdamW([model[1].bias], lr=1e-3)  # vectors only
     assert _advice._said_flat is False
+
+
+# ------------------- adamw_units: the approximation's part at AdamW's size --- #
+
+
+def _step(W, G, M, V, t, *, level, clip, units, impl="fast", eps=0.0):
+    F.gwt_adamw(W, G, M, V, None, step=t, lr=1.0, beta1=0.9, beta2=0.999, eps=eps, weight_decay=0.0, level=level,
+                alpha=1.0, gamma=None, detail_clip=clip, impl=impl, adamw_units=units)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_adamw_units_is_adamw_on_a_block_constant_gradient(level, clip, impl):
+    """What the gain is for: a gradient constant over each block has no details, and with eps 0 its step
+    is AdamW's exactly (float64), where the paper's is 2^(-l/2) of it."""
+    gen = torch.Generator().manual_seed(level)
+    n, b = 48, 1 << level
+    shape = (5, -(-n // b))
+    M, V = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    W = torch.zeros(5, n, dtype=torch.float64)
+    ref = torch.zeros(5, n, dtype=torch.float64, requires_grad=True)
+    adamw = torch.optim.AdamW([ref], lr=1.0, eps=0.0, weight_decay=0.0)
+    for t in range(1, 5):
+        G = torch.randn(shape, generator=gen, dtype=torch.float64).repeat_interleave(b, -1)[:, :n]
+        _step(W, G, M, V, t, level=level, clip=clip, units=True, impl=impl)
+        ref.grad = G.clone()
+        adamw.step()
+    torch.testing.assert_close(W, ref.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_adamw_units_adds_the_gain_to_us_part_only(level, clip):
+    """Against the paper's step on the same moments: the difference is (2^(l/2) - 1) U 2^(-l/2) per entry of
+    its block, the details untouched (and still clipped in the block denominator's units)."""
+    gen = torch.Generator().manual_seed(10 + level)
+    G = torch.randn(4, 3, 40, generator=gen, dtype=torch.float64)
+    A = F.haar_approx(G, level)
+    U = torch.randn(A.shape, generator=gen, dtype=torch.float64)
+    den = torch.rand(A.shape, generator=gen, dtype=torch.float64) + 0.1
+    for coeffs in (None, F.transform(G, level, "reference")[1]):
+        units = F.direction(G, A, U, den, 1.3, 0.7, level, clip, coeffs, adamw_units=True)
+        paper = F.direction(G, A, U, den, 1.3, 0.7, level, clip, coeffs)
+        extra = (U * ((1 - 2.0 ** (-level / 2)) * 0.7 / 1.3)).repeat_interleave(1 << level, -1)[..., :40]
+        torch.testing.assert_close(units - paper, extra, rtol=1e-10, atol=1e-12)
+
+
+def test_adamw_units_routes_groups_takes_specs_and_refuses_muon_groups():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+
+    w = torch.nn.Parameter(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="adamw_units"):
+        GWTAdamW([w], adamw_units=1)
+    with pytest.raises(ValueError, match="match_rms_adamw"):
+        GWTMuon([{"params": [w], "adamw_units": True}])
+    GWTMuon([{"params": [w], "use_muon": False, "adamw_units": True}])
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                         num_hidden_layers=1, vocab_size=64, max_position_embeddings=32))
+    for spec in ("gwt-adamw:adamw_units=true", "gwt-adam-mini:adamw_units=true", "gwt-adafactor:adamw_units=true"):
+        name, opts = parse_optimizer_arg(spec)
+        opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
+        assert {g["level"] > 0: g["adamw_units"] for g in opt.param_groups}[True] is True, spec
+    sd = copy.deepcopy(GWTAdamW([w], lr=0.01).state_dict())
+    for g in sd["param_groups"]:
+        del g["adamw_units"]
+    new = GWTAdamW([w], lr=0.01, adamw_units=True)
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["adamw_units"] is False

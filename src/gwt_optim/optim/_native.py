@@ -50,7 +50,7 @@ _STATE_DTYPE = {torch.float32: torch.float32, torch.float64: torch.float64, torc
 class _Hyper(ctypes.Structure):
     """Mirror of ``gwt_hyper`` in ``_fused_cpu.c``."""
 
-    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip")]
+    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip", "hu")]
 
 
 class _Task(ctypes.Structure):
@@ -108,6 +108,11 @@ _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 def _moments(state: dict) -> dict[str, Tensor]:
     return {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+
+
+def _hu(group: dict, level: int) -> float:
+    """U's factor in the inverse (functional.approx_gain): 1 with adamw_units, else h = 2^(-l/2)."""
+    return 1.0 if group.get("adamw_units") else 2.0 ** (-level / 2)
 
 
 def _clip(group: dict) -> float:
@@ -288,6 +293,7 @@ class NativeBackend:
                         scale=scale,
                         decay=decay,
                         clip=_clip(group),
+                        hu=_hu(group, ps.level),
                     )
                 task.hyper = hyper
                 g = ps.grad  # a new tensor on most steps: its layout is checked every time
@@ -323,6 +329,7 @@ class NativeBackend:
             beta2=beta2,
             eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
             clip=_clip(group),
+            hu=_hu(group, level),
         )
         norm_sq = self._phase1[G.dtype](
             G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)

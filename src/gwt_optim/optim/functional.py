@@ -523,7 +523,7 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
                   step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
                   alpha: float, gamma: float | None, block: str, head_dim: int | None = None,
                   detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR,
-                  match_rms: bool = False) -> None:
+                  match_rms: bool = False, adamw_units: bool = False) -> None:
     """One GWT-Adam-mini step of W, in place: GWT-AdamW's with one second moment per block.
 
     ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
@@ -532,7 +532,7 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
                               head_dim=head_dim, level=level, impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adam_mini_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
-                        detail_clip=detail_clip, match_rms=match_rms)
+                        detail_clip=detail_clip, match_rms=match_rms, adamw_units=adamw_units)
 
 
 # -------------------------------------------------------- GWT-Adafactor --- #
@@ -620,7 +620,7 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                   eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
                   beta1: float | None = None, relative_step: bool = True, detail_norm: str = "clip", level: int,
                   alpha: float, gamma: float | None = None, detail_clip: float | None = None, impl: str = "fast",
-                  wavelet: str = wavelets.HAAR, match_rms: bool = False) -> None:
+                  wavelet: str = wavelets.HAAR, match_rms: bool = False, adamw_units: bool = False) -> None:
     """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
     matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
     m = gwt_adafactor_moments(W, G, step=step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
@@ -628,4 +628,5 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                               level=level, impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adafactor_apply(W, m, r, step=step, lr=lr, eps2=eps[1], relative_step=relative_step,
-                        weight_decay=weight_decay, alpha=alpha, detail_clip=detail_clip, match_rms=match_rms)
+                        weight_decay=weight_decay, alpha=alpha, detail_clip=detail_clip, match_rms=match_rms,
+                        adamw_units=adamw_units)
