@@ -33,25 +33,29 @@ import torch
 
 from gwt_optim.optim import functional as F
 
-VARIANTS = {  # name: (detail_clip, match_rms)
-    "paper": (None, False),
-    "clip 0.5": (0.5, False),
-    "clip 0.5 + rule": (0.5, True),
-    "paper + rule": (None, True),
+VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor on 1, or "gain": 2^(l/2))
+    "paper": dict(detail_clip=None),
+    "clip 0.5": dict(detail_clip=0.5),
+    "clip 0.5 + match_rms": dict(detail_clip=0.5, match_rms=True),
+    "paper + match_rms": dict(detail_clip=None, match_rms=True),
+    "clip 0.5 + adamw_units": dict(detail_clip=0.5, adamw_units=True),
+    "clip 0.5, alpha 2^(l/2)": dict(detail_clip=0.5, alpha="gain"),
 }
 
 
 class Shadow:
     """One matrix's GWT-AdamW state fed every gradient; ``step`` returns the step's RMS at lr 1."""
 
-    def __init__(self, shape, level, clip, match_rms, gamma, betas=(0.9, 0.999), eps=1e-8, dtype=torch.float32):
+    def __init__(self, shape, level, variant, gamma, betas=(0.9, 0.999), eps=1e-8, dtype=torch.float32):
         n = shape[-1]
         approx = (*shape[:-1], -(-n // (1 << level)))
         self.M, self.V = torch.zeros(approx, dtype=dtype), torch.zeros(approx, dtype=dtype)
         self.s = torch.zeros((), dtype=dtype) if gamma else None
         self.W = torch.zeros(shape, dtype=dtype)
-        self.kw = dict(lr=1.0, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, level=level, alpha=1.0,
-                       gamma=gamma, detail_clip=clip, match_rms=match_rms)
+        self.kw = {**dict(lr=1.0, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, level=level, alpha=1.0,
+                          gamma=gamma, detail_clip=None), **variant}
+        if self.kw["alpha"] == "gain":
+            self.kw["alpha"] = F.approx_gain(level)
         self.t = 0
 
     def step(self, G) -> float:
@@ -80,14 +84,14 @@ def synthetic(levels=(1, 2, 3, 4), steps=200, seed=0) -> str:
     for name, make in limits.items():
         grads = [make(t) for t in range(steps)]
 
-        def mean_rms(level, clip, match_rms):
-            sh = Shadow((m, n), level, clip, match_rms, None, dtype=torch.float64)
+        def mean_rms(level, variant):
+            sh = Shadow((m, n), level, variant, None, dtype=torch.float64)
             rms = [sh.step(G) for G in grads]
             return sum(rms[-20:]) / 20
 
-        adamw = mean_rms(0, None, False)
-        for i, (variant, (clip, rule)) in enumerate(VARIANTS.items()):
-            cells = [f"{mean_rms(lv, clip, rule) / adamw:.2f}" for lv in levels]
+        adamw = mean_rms(0, {})
+        for i, (variant, kw) in enumerate(VARIANTS.items()):
+            cells = [f"{mean_rms(lv, kw) / adamw:.2f}" for lv in levels]
             lines.append(f"| {name if i == 0 else ''} | {f'{adamw:.3f}' if i == 0 else ''} | {variant} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -109,8 +113,8 @@ def real(steps: int, record: list[int], levels=(1, 2, 3), seed=0) -> str:
                              {"params": [p for _, p in split.regular], "lr": 3e-3}], weight_decay=0.0)
     schedule = WarmupCosine(total, warmup_steps(0.1, total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    shadows = {(lv, v): [Shadow(p.shape, lv, clip, rule, 1.01) for _, p in mats]
-               for lv in levels for v, (clip, rule) in VARIANTS.items()}
+    shadows = {(lv, v): [Shadow(p.shape, lv, kw, 1.01) for _, p in mats]
+               for lv in levels for v, kw in VARIANTS.items()}
     batch = tokens_per_step // seq_len
     rows = []
     t0 = time.time()
