@@ -8,14 +8,14 @@ This module imports only torch: the backends (``_fused``, ``_native``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose", "moment_dtype",
-           "route_key", "pointer_problems", "check_pointers"]
+__all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
+           "moment_dtype", "route_key", "pointer_problems", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -39,11 +39,8 @@ class Capabilities:
     match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
     adamw_units: bool = False  # U's part at AdamW's per-entry size (group["adamw_units"])
     # Runs whole steps (phase 1, limiter, phase 2) of many parameters in one
-    # call (step_many): the "batched" path, and the plain level-0 step.
+    # call (step_buckets): the "batched" path, and the plain level-0 step.
     batched: bool = False
-    # step_batches(batches, limiter_eps, key=...) and invalidate(): keeps
-    # tables per plan of the optimizer's Stepper.
-    plans: bool = False
     # phase1 and phase2 apart, around the limiter's all-reduce: DTensor
     # (FSDP2-sharded) parameters.
     dtensor: bool = False
@@ -107,7 +104,6 @@ CAPABILITIES: dict[str, Capabilities] = {
         detail_clip=True,  # a hyperparameter of phase 2 (0 when off)
         adamw_units=True,  # U's factor hu in the hyperparameters
         batched=True,
-        plans=True,
         dtensor=True,
     ),
     # The Triton kernels: fp32, bf16 and fp16 weights and gradients
@@ -120,13 +116,39 @@ CAPABILITIES: dict[str, Capabilities] = {
         detail_clip=True,  # a kernel argument (+inf when off)
         adamw_units=True,  # U's factor hu, a kernel argument
         batched=True,
-        plans=True,
         dtensor=True,
     ),
 }
 
 # The backends "auto" tries per device type for a transformed step.
 _AUTO = {"cpu": ("native",), "cuda": ("triton",)}
+
+
+@dataclass
+class Bucket:
+    """Whole steps that a batched backend runs with one set of scalars, as
+    lists of tensors (as ``torch._fused_adamw_`` takes them): the parameters
+    of one group and step count whose alpha is all the group's or all 1.
+
+    While a step plan holds, the backend gets the same list of the same
+    Buckets on every step under the plan's key, only ``step``, ``scale``,
+    ``decay`` and ``grads`` new, so it may keep what it derives from them by
+    the list's identity: the plan has checked the parameters (address, shape,
+    strides, dtype, device) and the state tensors (the same, at the same
+    addresses); a gradient may be a new tensor of the same dtype, shape,
+    strides and device.
+    """
+
+    group: dict
+    step: int  # the step count after this step's increment
+    scaled: bool  # alpha is the group's "scale" (else 1)
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)  # emptied after the step: the plan keeps no gradient alive
+    states: list[dict] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)  # the group's level; 0 for fewer than two dimensions
+    limited: list[bool] = field(default_factory=list)  # whether the limiter applies
+    scale: float = 0.0  # alpha * lr * step factor
+    decay: float = 1.0  # 1 - lr * weight_decay
 
 
 @dataclass(frozen=True)
@@ -216,16 +238,18 @@ def route_key(group: dict) -> tuple:
             group["adamw_units"])
 
 
-def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> list[str]:
+def pointer_problems(w: Tensor, g: Tensor, state: dict | None, level: int) -> list[str]:
     """What is wrong, for a kernel that walks flat memory, with weight ``w``,
-    gradient ``g`` and ``moments`` (shaped like A_l): every tensor dense and
-    contiguous, on one device, the gradient of the weight's shape and the
-    moments of A_l's. Empty when the addresses may be handed over."""
+    gradient ``g`` and the moments of ``state`` (None: none; shaped like A_l):
+    every tensor dense and contiguous, on one device, the gradient of the
+    weight's shape and the moments of A_l's. Empty when the addresses may be
+    handed over."""
     problems = []
     if g.shape != w.shape:
         problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
     n = w.shape[-1] if w.ndim else 1
     moment_shape = (*w.shape[:-1], -(-n // (1 << level)))
+    moments = {} if state is None else {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
     for name, x in (("parameter", w), ("gradient", g), *moments.items()):
         if x.device != w.device:
             problems.append(f"{name} on {x.device}, not {w.device}")
@@ -236,11 +260,11 @@ def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: in
     return problems
 
 
-def check_pointers(backend: str, w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> None:
+def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int) -> None:
     """Raise ``ValueError`` unless :func:`pointer_problems` finds nothing: the
     last check before a backend hands raw addresses to C or Triton (routing
     should never get here with such tensors; a kernel trusts no caller)."""
-    problems = pointer_problems(w, g, moments, level)
+    problems = pointer_problems(w, g, state, level)
     if problems:
         raise ValueError(f"GWT-AdamW ({backend}): cannot step a parameter of shape {tuple(w.shape)}: "
                          + "; ".join(problems))

@@ -25,10 +25,10 @@ from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_fla
 from gwt_optim.optim._backends import MOMENT_DTYPES
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, shipped_families
-from gwt_optim.optim._stepper import ParamStep, StepBatch, Stepper, caller_stacklevel, make_untraced, untraced
+from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
-__all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "IMPLEMENTATIONS"]
+__all__ = ["GWTOptimizer", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "fast")
 
@@ -281,13 +281,13 @@ class GWTOptimizer(Optimizer):
 
     def _count(self, skipped: list) -> None:
         """Record the updates a step skipped for a non-finite gradient: the
-        parameters, the fused backends' lists of ParamSteps, or their running
+        parameters, the fused backends' lists of them, or their running
         device counts (kept by identity: no host sync here)."""
         for item in skipped:
             if isinstance(item, tuple):
                 self._nonfinite_counters.update((id(count), count) for count in item)
                 continue
-            for p in [item] if isinstance(item, Tensor) else [ps.full_param for ps in item]:
+            for p in [item] if isinstance(item, Tensor) else item:
                 self._nonfinite_skips += 1
                 if not self._warned_nonfinite:
                     self._warned_nonfinite = True
