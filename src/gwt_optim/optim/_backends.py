@@ -167,7 +167,8 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
     """The fused backend that runs the step of weight ``w`` (local) with
     gradient ``g`` in ``group``, or why none does: the one place that decides
     it, from the parameter's bucket (the group's options, device, dtypes,
-    level and layout) and what each backend declares.
+    level and layout) and what each backend declares. The answer is kept per
+    bucket (``kernels.routes``, forgotten when a backend fails).
 
     ``kernels`` holds the family's backends under its ``backend=`` option
     (:class:`gwt_optim.optim._fused.Kernels`; None: the family has none).
@@ -180,16 +181,32 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
     """
     level = group["level"] if w.ndim >= 2 else 0
     cdt = torch.promote_types(w.dtype, F32)
-    reason = "the family has no fused kernels" if kernels is None else kernels.refusal(group)
+    if kernels is None:
+        return Route(None, g.to(cdt), level, "the family has no fused kernels")
+    # Everything _choose reads of the parameter, its gradient and its group.
+    key = (route_key(group), w.device, w.dtype, g.device, g.dtype, min(w.ndim, 2), g.shape == w.shape,
+           w.is_contiguous(), g.is_contiguous(), sharded, limited)
+    known = kernels.routes.get(key)
+    if known is None:
+        known = kernels.routes[key] = _choose(kernels, group, w, g, sharded, limited, level, cdt)
+    backend, cast, reason = known
+    return Route(backend, g.to(cdt) if cast else g, level, reason)
+
+
+def _choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool, level: int,
+            cdt: torch.dtype) -> tuple[Any, bool, str | None]:
+    """:func:`choose`'s answer as (backend, whether the gradient is cast, reason)."""
+    reason = kernels.refusal(group)
     if reason is None and level > 0 and group["wavelet"] != "haar":
         reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
     if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or (w.ndim >= 2 and group["scale"] != 1)):
         reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
     if reason is not None:
-        return Route(None, g.to(cdt), level, reason)
+        return None, True, reason
     md = moment_dtype(group, cdt)
     names = candidates(kernels.backend, w.device.type, level)
     refusals = [] if names else [f"no backend for level {level} on {w.device.type} under backend={kernels.backend!r}"]
+    cast = False
     while True:
         for name, last in names:
             backend = kernels.get(name, last)
@@ -197,12 +214,12 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
                 backend.capabilities.refusal(w, g, md, level, group, sharded)
             if why is None:
                 if kernels.prepare(backend, w, g, md, level, last):
-                    return Route(backend, g, level, None)
+                    return backend, cast, None
                 why = "failed to compile for this parameter"
             refusals.append(f"{name}: {why}")
         if g.dtype == cdt:
-            return Route(None, g, level, "; ".join(refusals))
-        g = g.to(cdt)
+            return None, cast, "; ".join(refusals)
+        g, cast = g.to(cdt), True
 
 
 def candidates(backend: str, device_type: str, level: int) -> list[tuple[str, bool]]:

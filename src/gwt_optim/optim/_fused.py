@@ -160,6 +160,7 @@ class Kernels:
         self.backend, self.strict, self.impl = backend, strict, impl
         self._backends: dict[str, Any] = {}
         self._failed: set[str] = set()
+        self.routes: dict[tuple, tuple] = {}  # choose's answers per bucket
         self._plain_cpu = FusedAdamWBackend()  # torch's kernel: nothing to build
 
     def refusal(self, group: dict) -> str | None:
@@ -188,6 +189,7 @@ class Kernels:
                 warnings.warn(f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
                               RuntimeWarning, stacklevel=4)
             self._failed.add(name)
+            self.routes.clear()
             return None
         self._backends[name] = backend
         return backend
@@ -205,5 +207,6 @@ class Kernels:
                           + ("the eager path" if last else "the next backend"), RuntimeWarning, stacklevel=4)
             self._failed.add(backend.name)
             self._backends.pop(backend.name, None)
+            self.routes.clear()
             return False
         return True
