@@ -78,10 +78,6 @@ class Capabilities:
         return None
 
 
-def _product(weights, grads, moments) -> frozenset:
-    return frozenset((w, g, m) for w in weights for g in grads for m in moments)
-
-
 #: The backends' capabilities; each class's ``capabilities`` is its entry.
 CAPABILITIES: dict[str, Capabilities] = {
     # torch._fused_adamw_ (level 0 on CPU): one dtype for weights, gradients and
@@ -111,7 +107,7 @@ CAPABILITIES: dict[str, Capabilities] = {
     # TritonBackend(cpu=True) adds "cpu" (the interpreter, host-time benchmarks).
     "triton": Capabilities(
         devices=frozenset({"cuda"}),
-        dtypes=_product((F32, BF16, F16), (F32, BF16, F16), (F32, BF16)),
+        dtypes=frozenset((w, g, m) for w in (F32, BF16, F16) for g in (F32, BF16, F16) for m in (F32, BF16)),
         levels=range(0, 11),
         detail_clip=True,  # a kernel argument (+inf when off)
         adamw_units=True,  # U's factor hu, a kernel argument

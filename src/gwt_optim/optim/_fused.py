@@ -188,8 +188,7 @@ class Kernels:
             if last:
                 warnings.warn(f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
                               RuntimeWarning, stacklevel=4)
-            self._failed.add(name)
-            self.routes.clear()
+            self._fail(name)
             return None
         self._backends[name] = backend
         return backend
@@ -205,8 +204,12 @@ class Kernels:
                                         "backend='eager' to use the eager path") from exc
             warnings.warn(f"GWT-AdamW: compiling the fused '{backend.name}' kernels failed ({exc}); using "
                           + ("the eager path" if last else "the next backend"), RuntimeWarning, stacklevel=4)
-            self._failed.add(backend.name)
-            self._backends.pop(backend.name, None)
-            self.routes.clear()
+            self._fail(backend.name)
             return False
         return True
+
+    def _fail(self, name: str) -> None:
+        """Remember that ``name`` failed, and forget the answers that may name it."""
+        self._failed.add(name)
+        self._backends.pop(name, None)
+        self.routes.clear()

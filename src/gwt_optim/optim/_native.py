@@ -69,21 +69,15 @@ class _Task(ctypes.Structure):
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in _DTYPE_SUFFIX.values():
-        p1 = getattr(lib, f"gwt_adamw_haar_phase1_{name}")
-        p1.restype = ctypes.c_double
-        p1.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2 = getattr(lib, f"gwt_adamw_haar_phase2_{name}")
-        p2.restype = None
-        p2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2c = getattr(lib, f"gwt_adamw_haar_phase2_clip_{name}")
-        p2c.restype = None
-        p2c.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
+        # The phases: their pointers, then (rows, n, level, hyper, threads).
+        for phase, restype, pointers in (("phase1", ctypes.c_double, 5), ("phase2", None, 4), ("phase2_clip", None, 5)):
+            fn = getattr(lib, f"gwt_adamw_haar_{phase}_{name}")
+            fn.restype, fn.argtypes = restype, [ptr] * pointers + [i64, i64, i32, ctypes.POINTER(_Hyper), i32]
         steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
-        steps.restype = None
-        steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.gwt_bf16_max_level.restype = ctypes.c_int
-    lib.gwt_bf16_max_level.argtypes = []
+        steps.restype, steps.argtypes = None, [ctypes.POINTER(_Task), i32, ptr, i64, i32, i32, i64]
+    lib.gwt_bf16_max_level.restype, lib.gwt_bf16_max_level.argtypes = i32, []
     return lib
 
 
@@ -300,9 +294,8 @@ class NativeBackend:
         d = buf.data_ptr()
         t = d + M.numel() * buf.element_size()
         hyper = _hyper(group, level, step)
-        norm_sq = self._phase1[G.dtype](
-            G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
-        )
+        norm_sq = self._phase1[G.dtype](G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level,
+                                        ctypes.byref(hyper), self._threads(numel, rows))
         carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
         if shared:
             self._owner[M.dtype] = weakref.ref(carry)

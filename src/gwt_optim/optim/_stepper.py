@@ -66,13 +66,6 @@ class ParamStep:
     batched: bool = False  # the fused backend runs this whole step later, with others
 
 
-def _scalars(group: dict, step: int, alpha: float) -> tuple[float, float]:
-    """A fused step's (scale, decay): the kernels are GWT-AdamW's, so the step
-    factor is Adam's bias correction."""
-    lr = group_lr(group)
-    return alpha * lr * adam_step_factor(step, *group["betas"]), 1 - lr * group["weight_decay"]
-
-
 def plannable(ps: ParamStep) -> bool:
     """Whether a plan may repeat this batched ParamStep: not for a gradient
     cast to the compute dtype (a copy on every step), nor for a step count
@@ -104,10 +97,13 @@ def _buckets(batched: list[ParamStep]) -> list[tuple[Any, list[Bucket]]]:
 
 
 def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, key: Hashable = None) -> None:
-    """Each backend's buckets, one call each, with this step's scalars."""
+    """Each backend's buckets, one call each, with this step's scalars (the
+    kernels are GWT-AdamW's: the step factor is Adam's bias correction)."""
     for backend, buckets in by_backend:
         for b in buckets:
-            b.scale, b.decay = _scalars(b.group, b.step, b.group["scale"] if b.scaled else 1.0)
+            group, lr = b.group, group_lr(b.group)
+            alpha = group["scale"] if b.scaled else 1.0
+            b.scale, b.decay = alpha * lr * adam_step_factor(b.step, *group["betas"]), 1 - lr * group["weight_decay"]
         skipped.append(backend.step_buckets(buckets, LIMITER_EPS, key))
 
 
@@ -137,17 +133,15 @@ class Plan:
     counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
     version: int  # counter._version after the last add_
 
-    def holds_scope(self, groups: list[dict], params: list[Tensor], states: list) -> bool:
-        """Whether the scope is as it was: the same group dicts, parameters and
-        state dicts, in order (one replaced, added or removed shows)."""
-        return _same(groups, self.groups) and _same(params, self.params) and _same(states, self.states)
-
-    def grads(self, state: dict) -> list[Tensor] | None:
-        """The planned gradients if this step, its scope as it was, may repeat
-        the plan: the groups' routing options and the step counts as they were
-        (nothing wrote them but the plan), the planned parameters and state
-        tensors too (see :class:`Bucket`), and gradients of the same layout."""
-        if (self.state is not state or self.counter._version != self.version
+    def grads(self, state: dict, groups: list[dict], params: list[Tensor], states: Callable[[], list]) -> list | None:
+        """The planned gradients if this step may repeat the plan: the scope as
+        it was (the same group dicts, parameters and state dicts, in order:
+        one replaced, added or removed shows), the groups' routing options and
+        the step counts as they were (nothing wrote them but the plan), the
+        planned parameters and state tensors too (see :class:`Bucket`), and
+        gradients of the same layout."""
+        if (self.state is not state or not (_same(groups, self.groups) and _same(params, self.params))
+                or not _same(states(), self.states) or self.counter._version != self.version
                 or list(map(route_key, self.groups)) != self.routes):
             return None
         params = self.step_params
@@ -248,7 +242,7 @@ class Stepper:
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
         plan = self.plans.get(key)
-        grads = plan.grads(opt.state) if plan is not None and plan.holds_scope(groups, params, states()) else None
+        grads = plan.grads(opt.state, groups, params, states) if plan is not None else None
         if grads is not None:
             if plan.rest:
                 self._each(opt, plan.rest, batched, deferred, skipped)
@@ -346,7 +340,7 @@ class Stepper:
             if spec is None:
                 shape = approx_shape(tuple(G.shape), level, group["wavelet"])
                 spec = self.specs[key] = expected_state(opt, group, shape, transformed)
-            problem = state_problem(lstate, spec, level, w, G, md if fused is not None else None)
+            problem = state_problem(lstate, spec, level, w, md if fused is not None else None)
             if problem is not None:
                 raise ValueError(f"{opt._family}: {describe(opt.param_groups, p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
