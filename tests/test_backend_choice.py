@@ -335,7 +335,7 @@ def test_no_capability_is_probed_with_getattr():
     import gwt_optim.optim as optim
 
     for path in Path(optim.__file__).parent.glob("*.py"):
-        probe = r"(?:getattr|hasattr)\([^)]*[\"'](batched|detail_clip|step_batches|invalidate|supports)[\"']"
+        probe = r"(?:getattr|hasattr)\([^)]*[\"'](batched|detail_clip|step_buckets|invalidate|supports)[\"']"
         found = re.findall(probe, path.read_text())
         assert not found, (path.name, found)
 

@@ -259,7 +259,11 @@ class Stepper:
             if plan is not None:
                 self.plans[key] = plan
                 plan.run(None, skipped)
-        self._finish(opt, batched, deferred, skipped)
+        # The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves.
+        _launch(_buckets(batched), skipped)
+        reduce_limiter_norms(deferred)
+        for ps in deferred:
+            _phase2(opt, ps)
 
     def drop(self) -> None:
         """Forget every plan and state shape, and the backends' tables for the
@@ -359,13 +363,6 @@ class Stepper:
         if limited:
             ps.norm_sq = norm_sq if fused is not None else ps.carry.norm_sq()
         return ps
-
-    def _finish(self, opt: Any, batched: list[ParamStep], deferred: list[ParamStep], skipped: list) -> None:
-        """The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves."""
-        _launch(_buckets(batched), skipped)
-        reduce_limiter_norms(deferred)
-        for ps in deferred:
-            _phase2(opt, ps)
 
 
 def _phase2(opt: Any, ps: ParamStep) -> None:
