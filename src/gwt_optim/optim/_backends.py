@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
-           "moment_dtype", "route_key", "pointer_problems", "check_pointers"]
+           "moment_dtype", "route_key", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -251,12 +251,14 @@ def route_key(group: dict) -> tuple:
             group["adamw_units"])
 
 
-def pointer_problems(w: Tensor, g: Tensor, state: dict | None, level: int) -> list[str]:
-    """What is wrong, for a kernel that walks flat memory, with weight ``w``,
-    gradient ``g`` and the moments of ``state`` (None: none; shaped like A_l):
-    every tensor dense and contiguous, on one device, the gradient of the
-    weight's shape and the moments of A_l's. Empty when the addresses may be
-    handed over."""
+def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int, extra: list[str] = ()) -> None:
+    """Raise ``ValueError`` unless weight ``w``, gradient ``g`` and the
+    moments of ``state`` (None: none) are fit for a kernel that walks flat
+    memory (every tensor dense and contiguous, on one device, the gradient of
+    the weight's shape and the moments of A_l's) and the backend found no
+    problems of its own (``extra``): the last check before a backend hands
+    raw addresses to C or Triton (routing should never get here with such
+    tensors; a kernel trusts no caller)."""
     problems = []
     if g.shape != w.shape:
         problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
@@ -270,14 +272,7 @@ def pointer_problems(w: Tensor, g: Tensor, state: dict | None, level: int) -> li
             problems.append(f"{name} is not contiguous")
         if name in moments and tuple(x.shape) != moment_shape:
             problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
-    return problems
-
-
-def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int) -> None:
-    """Raise ``ValueError`` unless :func:`pointer_problems` finds nothing: the
-    last check before a backend hands raw addresses to C or Triton (routing
-    should never get here with such tensors; a kernel trusts no caller)."""
-    problems = pointer_problems(w, g, state, level)
+    problems += extra
     if problems:
         raise ValueError(f"GWT-AdamW ({backend}): cannot step a parameter of shape {tuple(w.shape)}: "
                          + "; ".join(problems))

@@ -151,10 +151,9 @@ class GWTOptimizer(Optimizer):
         if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
                                      and math.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
-        if not isinstance(g["match_rms"], bool):
-            raise ValueError(f"Invalid match_rms: {g['match_rms']!r} (True or False)")
-        if not isinstance(g["adamw_units"], bool):
-            raise ValueError(f"Invalid adamw_units: {g['adamw_units']!r} (True or False)")
+        for key in ("match_rms", "adamw_units"):
+            if not isinstance(g[key], bool):
+                raise ValueError(f"Invalid {key}: {g[key]!r} (True or False)")
         md = g["moment_dtype"]
         if md is not None and md not in MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)} or None)")

@@ -62,7 +62,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from gwt_optim.optim._backends import CAPABILITIES, pointer_problems
+from gwt_optim.optim._backends import CAPABILITIES, check_pointers
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -629,7 +629,7 @@ class TritonBackend:
         wdt, gdt, mdt = kinds
         for w, g, st in tensors:
             M, V = st["exp_avg"], st["exp_avg_sq"]
-            problems = pointer_problems(w, g, st, level)
+            problems = []  # besides check_pointers'
             if w.device != device:
                 problems.append(f"parameter on {w.device}, not {device}")
             if M.dtype != mdt or V.dtype != mdt or mdt not in _MOMENT_KINDS:
@@ -640,9 +640,7 @@ class TritonBackend:
                 s = st.get("limiter_norm")
                 if not (isinstance(s, Tensor) and s.ndim == 0 and s.dtype == torch.float32 and s.device == device):
                     problems.append("limiter_norm is not a 0-d float32 tensor on the parameter's device")
-            if problems:
-                raise ValueError(f"GWT-AdamW (triton): cannot step a parameter of shape {tuple(w.shape)}: "
-                                 + "; ".join(problems))
+            check_pointers("triton", w, g, st, level, problems)
 
     def _tb(self, level: int) -> int:
         return max(1, self.chunk // (1 << level))
