@@ -9,7 +9,7 @@ This module imports only torch: the backends (``_fused``, ``_native``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
@@ -251,7 +251,8 @@ def route_key(group: dict) -> tuple:
             group["adamw_units"])
 
 
-def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int, extra: list[str] = ()) -> None:
+def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int,
+                   extra: Iterable[str] = ()) -> None:
     """Raise ``ValueError`` unless weight ``w``, gradient ``g`` and the
     moments of ``state`` (None: none) are fit for a kernel that walks flat
     memory (every tensor dense and contiguous, on one device, the gradient of

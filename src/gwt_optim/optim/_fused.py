@@ -47,9 +47,9 @@ class FusedBackend(Protocol):
         """Whole steps of the parameters of ``buckets``; one with a non-finite
         gradient keeps its weight and state. Returns the parameters so
         skipped, or a tuple of running device counts of them (no host sync).
-        ``key`` names a step plan (see :class:`Bucket`): what the backend
-        derives it may keep under it until another list comes, or
-        :meth:`invalidate`."""
+        ``key`` names a step plan (see :class:`Bucket`): the backend may keep
+        what it derives from the list under it, until another list comes
+        under that key or :meth:`invalidate` is called."""
 
     def invalidate(self) -> None:
         """Forget what :meth:`step_buckets` keeps per plan key."""
