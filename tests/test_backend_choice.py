@@ -263,6 +263,37 @@ def test_the_capability_table_is_what_the_kernels_take():
     assert _triton.TritonBackend(cpu=True).capabilities.devices == {"cuda", "cpu"}
 
 
+def test_choose_answers_once_per_bucket(monkeypatch):
+    """choose keeps its answer per bucket (the group's routing options, the
+    device, dtypes, rank and layout): another parameter of the same bucket
+    asks nothing again, another dtype or routing option does, and a failed
+    backend makes every bucket ask again."""
+    from gwt_optim import GWTAdamW
+    from gwt_optim.optim._backends import choose
+
+    params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(6, 16)),
+              torch.nn.Parameter(torch.randn(6, 16).double())]
+    opt = GWTAdamW(params, backend="eager")
+    kernels, group = opt._kernels, opt.param_groups[0]
+    asked = []
+    monkeypatch.setattr(kernels, "refusal", lambda g: asked.append(g) or "eager here")
+    routes = [choose(kernels, group, p, torch.zeros_like(p), False, True) for p in params]
+    assert len(asked) == 2 and {r.reason for r in routes} == {"eager here"} and len(kernels.routes) == 2
+    group["detail_clip"] = None
+    choose(kernels, group, params[0], torch.zeros_like(params[0]), False, True)
+    assert len(asked) == 3
+
+    class Failing:
+        name = "native"
+
+        def prepare(self, *args):
+            raise RuntimeError("no compiler")
+
+    with pytest.warns(RuntimeWarning, match="no compiler"):
+        assert not kernels.prepare(Failing(), params[0], params[0], torch.float32, 2, True)
+    assert not kernels.routes
+
+
 def test_candidates_per_backend_device_and_level():
     from gwt_optim.optim._backends import candidates
 
@@ -304,7 +335,7 @@ def test_no_capability_is_probed_with_getattr():
     import gwt_optim.optim as optim
 
     for path in Path(optim.__file__).parent.glob("*.py"):
-        probe = r"(?:getattr|hasattr)\([^)]*[\"'](batched|detail_clip|step_batches|invalidate|supports)[\"']"
+        probe = r"(?:getattr|hasattr)\([^)]*[\"'](batched|detail_clip|step_buckets|invalidate|supports)[\"']"
         found = re.findall(probe, path.read_text())
         assert not found, (path.name, found)
 

@@ -57,10 +57,8 @@ def count_fused(monkeypatch):
         return counted
 
     monkeypatch.setattr(_fused.NativeBackend, "phase2", counting(_fused.NativeBackend.phase2, lambda args: 1))
-    monkeypatch.setattr(_fused.NativeBackend, "step_many", counting(_fused.NativeBackend.step_many, lambda args: len(args[0])))
-    # the optimizer's step plan hands its batches to step_batches
-    monkeypatch.setattr(_fused.NativeBackend, "step_batches", counting(
-        _fused.NativeBackend.step_batches, lambda args: sum(len(b.steps) for b in args[0])))
+    monkeypatch.setattr(_fused.NativeBackend, "step_buckets", counting(
+        _fused.NativeBackend.step_buckets, lambda args: sum(len(b.params) for b in args[0])))
     return calls
 
 
@@ -220,7 +218,7 @@ def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, sh
         opt.step()
     finally:
         torch.set_num_threads(saved)
-    (entry,) = opt._kernels.get("native")._plans["step"][3]
+    (entry,) = opt._kernels.get("native")._plans["step"][2]
     assert entry.pipelined == pipelined and entry.stride == 2 * 16 * 16
 
 

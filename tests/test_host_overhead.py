@@ -95,7 +95,7 @@ def test_a_held_plan_skips_the_per_parameter_path(mocked):
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].device.type == "cpu" and st["step"].ndim == 0
         assert st["step"].item() == 5
-    assert all(ps.grad is None for ps in plan.steps)  # the plan keeps no gradient alive
+    assert all(not b.grads for b in plan.flat)  # the plan keeps no gradient alive
 
 
 def _new_state_tensor(opt, params):
@@ -169,13 +169,13 @@ def test_half_gradients_reach_the_kernels_as_they_are(mocked, monkeypatch, dtype
     from gwt_optim.optim import _triton
 
     seen = []
-    step_batches = _triton.TritonBackend.step_batches
+    step_buckets = _triton.TritonBackend.step_buckets
 
-    def spy(self, batches, limiter_eps, **kw):
-        seen.extend((ps.grad, ps.full_param.grad) for b in batches for ps in b.steps)
-        return step_batches(self, batches, limiter_eps, **kw)
+    def spy(self, buckets, limiter_eps, key=None):
+        seen.extend((g, p.grad) for b in buckets for p, g in zip(b.params, b.grads))
+        return step_buckets(self, buckets, limiter_eps, key)
 
-    monkeypatch.setattr(_triton.TritonBackend, "step_batches", spy)
+    monkeypatch.setattr(_triton.TritonBackend, "step_buckets", spy)
     params = _params(dtype)
     opt = GWTAdamW(params, lr=1e-2, compile="triton")
     for t in range(2):  # the step that makes the plan, and one that holds it
@@ -196,8 +196,9 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
     opt = GWTAdamW([p], lr=1e-2, compile="triton")
     p.grad = torch.randn(8, 32).bfloat16()
     opt.step()
-    (ps,) = _plan(opt).steps
-    assert opt.state[p]["exp_avg"].dtype == torch.float32 and ps.backend.name == "triton"
+    ((backend, _),) = _plan(opt).by_backend
+    assert _plan(opt).step_params == [p]
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and backend.name == "triton"
     assert [layout[:2] for layout in _plan(opt).layouts] == [(torch.bfloat16, True)]
 
 
@@ -302,7 +303,7 @@ def test_step_param_holds_a_plan_per_parameter(mocked):
     assert mocked["launch"] == 4 * len(params) * 3  # three launches per parameter
     for st in opt.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 5
-    assert all(plan.steps[0].grad is None for plan in plans.values())  # no gradient kept alive
+    assert all(not plan.flat[0].grads for plan in plans.values())  # no gradient kept alive
     # skips are counted in the backends' running counts: no new tensor per call
     assert len(opt._nonfinite_counters) == 1 and opt.nonfinite_skips == 0
 
@@ -416,7 +417,7 @@ def test_a_cast_gradient_does_not_unmake_the_plan():
         opt.step()
         ref.step()
         plans.append(_plan(opt))
-    assert plans[1] is plans[2] is plans[3] and [ps.full_param for ps in plans[3].steps] == [a]
+    assert plans[1] is plans[2] is plans[3] and plans[3].step_params == [a]
     assert torch.equal(a, twin_a) and torch.equal(b, twin_b)
 
 

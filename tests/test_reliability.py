@@ -137,14 +137,18 @@ def test_state_problem_is_the_one_state_check():
     good = {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4), "limiter_norm": torch.zeros(())}
     spec = {"exp_avg": (4, 4), "exp_avg_sq": (4, 4)}
     for fused in (None, torch.float32):
-        assert state_problem(good, spec, 2, W, G, fused) is None
+        assert state_problem(good, spec, 2, W, fused) is None
     assert state_problem(good, spec, 2) is None  # a saved state: shapes only
-    assert state_problem(good, {"exp_avg": (4, 8)}, 1, W, G).startswith(
+    assert state_problem(good, {"exp_avg": (4, 8)}, 1, W).startswith(
         "state 'exp_avg' has shape (4, 4), but level 1 needs (4, 8)")
     assert state_problem(good, {"exp_avg": (4, 8)}, 1).startswith("the saved state 'exp_avg' has shape (4, 4)")
-    assert "gradient has shape" in state_problem(good, spec, 2, W, torch.zeros(4, 8), torch.float32)
-    assert "moment_dtype" in state_problem(good, spec, 2, W, G, torch.bfloat16)
-    assert state_problem(good, spec, 2, W, G, None) is None  # the eager path reads any floating moments
+    assert "moment_dtype" in state_problem(good, spec, 2, W, torch.bfloat16)
+    assert state_problem(good, spec, 2, W, None) is None  # the eager path reads any floating moments
+    # A gradient unlike its weight never reaches a fused backend: choose refuses it.
+    from gwt_optim.optim._backends import CAPABILITIES
+
+    for bad in (torch.zeros(4, 8), torch.zeros(16, 4).t()):
+        assert CAPABILITIES["native"].refusal(W, bad, torch.float32, 2, GWTAdamW([W]).param_groups[0], False)
 
 
 # -------------------------------------------------------- kernel cache --- #
@@ -574,7 +578,7 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
     from typing import Protocol
 
     assert Protocol in _fused.FusedBackend.__mro__
-    members = ("prepare", "phase1", "phase2", "step_many")
+    members = ("prepare", "phase1", "phase2", "step_buckets", "invalidate")
     for name in members:
         assert callable(getattr(_fused.FusedBackend, name))
         assert callable(getattr(_fused.NativeBackend, name))

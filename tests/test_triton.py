@@ -15,6 +15,7 @@ and nothing here changes the environment. To run them directly::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import os
@@ -393,12 +394,16 @@ def test_step_one_matches_the_batch(tt, monkeypatch):
     W0, grads = _problem(shapes=SHAPES[1:], steps=2, seed=13)
     kw = dict(lr=1e-2, weight_decay=0.1, level=2, compile="triton")
     batch = _train(W0, grads, **kw)
-    step_many = _TT.TritonBackend.step_many
+    step_buckets = _TT.TritonBackend.step_buckets
 
-    def one_by_one(self, items, limiter_eps):
-        return tuple(c for item in items for c in step_many(self, [item], limiter_eps))
+    def one_by_one(self, buckets, limiter_eps, key=None):
+        # each parameter a bucket of its own, without a plan
+        ones = [dataclasses.replace(b, params=[b.params[i]], grads=[b.grads[i]], states=[b.states[i]],
+                                    levels=[b.levels[i]], limited=[b.limited[i]])
+                for b in buckets for i in range(len(b.params))]
+        return tuple(c for one in ones for c in step_buckets(self, [one], limiter_eps))
 
-    monkeypatch.setattr(_TT.TritonBackend, "step_many", one_by_one)
+    monkeypatch.setattr(_TT.TritonBackend, "step_buckets", one_by_one)
     single = _train(W0, grads, **kw)
     for a, b in zip(single, batch):
         assert torch.equal(a, b)

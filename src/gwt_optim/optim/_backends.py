@@ -8,14 +8,14 @@ This module imports only torch: the backends (``_fused``, ``_native``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
-__all__ = ["Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose", "moment_dtype",
-           "route_key", "pointer_problems", "check_pointers"]
+__all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
+           "moment_dtype", "route_key", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -39,11 +39,8 @@ class Capabilities:
     match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
     adamw_units: bool = False  # U's part at AdamW's per-entry size (group["adamw_units"])
     # Runs whole steps (phase 1, limiter, phase 2) of many parameters in one
-    # call (step_many): the "batched" path, and the plain level-0 step.
+    # call (step_buckets): the "batched" path, and the plain level-0 step.
     batched: bool = False
-    # step_batches(batches, limiter_eps, key=...) and invalidate(): keeps
-    # tables per plan of the optimizer's Stepper.
-    plans: bool = False
     # phase1 and phase2 apart, around the limiter's all-reduce: DTensor
     # (FSDP2-sharded) parameters.
     dtensor: bool = False
@@ -81,10 +78,6 @@ class Capabilities:
         return None
 
 
-def _product(weights, grads, moments) -> frozenset:
-    return frozenset((w, g, m) for w in weights for g in grads for m in moments)
-
-
 #: The backends' capabilities; each class's ``capabilities`` is its entry.
 CAPABILITIES: dict[str, Capabilities] = {
     # torch._fused_adamw_ (level 0 on CPU): one dtype for weights, gradients and
@@ -107,7 +100,6 @@ CAPABILITIES: dict[str, Capabilities] = {
         detail_clip=True,  # a hyperparameter of phase 2 (0 when off)
         adamw_units=True,  # U's factor hu in the hyperparameters
         batched=True,
-        plans=True,
         dtensor=True,
     ),
     # The Triton kernels: fp32, bf16 and fp16 weights and gradients
@@ -115,18 +107,44 @@ CAPABILITIES: dict[str, Capabilities] = {
     # TritonBackend(cpu=True) adds "cpu" (the interpreter, host-time benchmarks).
     "triton": Capabilities(
         devices=frozenset({"cuda"}),
-        dtypes=_product((F32, BF16, F16), (F32, BF16, F16), (F32, BF16)),
+        dtypes=frozenset((w, g, m) for w in (F32, BF16, F16) for g in (F32, BF16, F16) for m in (F32, BF16)),
         levels=range(0, 11),
         detail_clip=True,  # a kernel argument (+inf when off)
         adamw_units=True,  # U's factor hu, a kernel argument
         batched=True,
-        plans=True,
         dtensor=True,
     ),
 }
 
 # The backends "auto" tries per device type for a transformed step.
 _AUTO = {"cpu": ("native",), "cuda": ("triton",)}
+
+
+@dataclass
+class Bucket:
+    """Whole steps that a batched backend runs with one set of scalars, as
+    lists of tensors (as ``torch._fused_adamw_`` takes them): the parameters
+    of one group and step count whose alpha is all the group's or all 1.
+
+    While a step plan holds, the backend gets the same list of the same
+    Buckets on every step under the plan's key, only ``step``, ``scale``,
+    ``decay`` and ``grads`` new, so it may keep what it derives from them by
+    the list's identity: the plan has checked the parameters (address, shape,
+    strides, dtype, device) and the state tensors (the same, at the same
+    addresses); a gradient may be a new tensor of the same dtype, shape,
+    strides and device.
+    """
+
+    group: dict
+    step: int  # the step count after this step's increment
+    scaled: bool  # alpha is the group's "scale" (else 1)
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)  # emptied after the step: the plan keeps no gradient alive
+    states: list[dict] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)  # the group's level; 0 for fewer than two dimensions
+    limited: list[bool] = field(default_factory=list)  # whether the limiter applies
+    scale: float = 0.0  # alpha * lr * step factor
+    decay: float = 1.0  # 1 - lr * weight_decay
 
 
 @dataclass(frozen=True)
@@ -145,7 +163,8 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
     """The fused backend that runs the step of weight ``w`` (local) with
     gradient ``g`` in ``group``, or why none does: the one place that decides
     it, from the parameter's bucket (the group's options, device, dtypes,
-    level and layout) and what each backend declares.
+    level and layout) and what each backend declares. The answer is kept per
+    bucket (``kernels.routes``, forgotten when a backend fails).
 
     ``kernels`` holds the family's backends under its ``backend=`` option
     (:class:`gwt_optim.optim._fused.Kernels`; None: the family has none).
@@ -158,16 +177,32 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
     """
     level = group["level"] if w.ndim >= 2 else 0
     cdt = torch.promote_types(w.dtype, F32)
-    reason = "the family has no fused kernels" if kernels is None else kernels.refusal(group)
+    if kernels is None:
+        return Route(None, g.to(cdt), level, "the family has no fused kernels")
+    # Everything _choose reads of the parameter, its gradient and its group.
+    key = (route_key(group), w.device, w.dtype, g.device, g.dtype, min(w.ndim, 2), g.shape == w.shape,
+           w.is_contiguous(), g.is_contiguous(), sharded, limited)
+    known = kernels.routes.get(key)
+    if known is None:
+        known = kernels.routes[key] = _choose(kernels, group, w, g, sharded, limited, level, cdt)
+    backend, cast, reason = known
+    return Route(backend, g.to(cdt) if cast else g, level, reason)
+
+
+def _choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool, level: int,
+            cdt: torch.dtype) -> tuple[Any, bool, str | None]:
+    """:func:`choose`'s answer as (backend, whether the gradient is cast, reason)."""
+    reason = kernels.refusal(group)
     if reason is None and level > 0 and group["wavelet"] != "haar":
         reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
     if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or (w.ndim >= 2 and group["scale"] != 1)):
         reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
     if reason is not None:
-        return Route(None, g.to(cdt), level, reason)
+        return None, True, reason
     md = moment_dtype(group, cdt)
     names = candidates(kernels.backend, w.device.type, level)
     refusals = [] if names else [f"no backend for level {level} on {w.device.type} under backend={kernels.backend!r}"]
+    cast = False
     while True:
         for name, last in names:
             backend = kernels.get(name, last)
@@ -175,12 +210,12 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
                 backend.capabilities.refusal(w, g, md, level, group, sharded)
             if why is None:
                 if kernels.prepare(backend, w, g, md, level, last):
-                    return Route(backend, g, level, None)
+                    return backend, cast, None
                 why = "failed to compile for this parameter"
             refusals.append(f"{name}: {why}")
         if g.dtype == cdt:
-            return Route(None, g, level, "; ".join(refusals))
-        g = g.to(cdt)
+            return None, cast, "; ".join(refusals)
+        g, cast = g.to(cdt), True
 
 
 def candidates(backend: str, device_type: str, level: int) -> list[tuple[str, bool]]:
@@ -216,16 +251,21 @@ def route_key(group: dict) -> tuple:
             group["adamw_units"])
 
 
-def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> list[str]:
-    """What is wrong, for a kernel that walks flat memory, with weight ``w``,
-    gradient ``g`` and ``moments`` (shaped like A_l): every tensor dense and
-    contiguous, on one device, the gradient of the weight's shape and the
-    moments of A_l's. Empty when the addresses may be handed over."""
+def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int,
+                   extra: Iterable[str] = ()) -> None:
+    """Raise ``ValueError`` unless weight ``w``, gradient ``g`` and the
+    moments of ``state`` (None: none) are fit for a kernel that walks flat
+    memory (every tensor dense and contiguous, on one device, the gradient of
+    the weight's shape and the moments of A_l's) and the backend found no
+    problems of its own (``extra``): the last check before a backend hands
+    raw addresses to C or Triton (routing should never get here with such
+    tensors; a kernel trusts no caller)."""
     problems = []
     if g.shape != w.shape:
         problems.append(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(w.shape)}")
     n = w.shape[-1] if w.ndim else 1
     moment_shape = (*w.shape[:-1], -(-n // (1 << level)))
+    moments = {} if state is None else {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
     for name, x in (("parameter", w), ("gradient", g), *moments.items()):
         if x.device != w.device:
             problems.append(f"{name} on {x.device}, not {w.device}")
@@ -233,14 +273,7 @@ def pointer_problems(w: Tensor, g: Tensor, moments: dict[str, Tensor], level: in
             problems.append(f"{name} is not contiguous")
         if name in moments and tuple(x.shape) != moment_shape:
             problems.append(f"{name} has shape {tuple(x.shape)}, expected {moment_shape}")
-    return problems
-
-
-def check_pointers(backend: str, w: Tensor, g: Tensor, moments: dict[str, Tensor], level: int) -> None:
-    """Raise ``ValueError`` unless :func:`pointer_problems` finds nothing: the
-    last check before a backend hands raw addresses to C or Triton (routing
-    should never get here with such tensors; a kernel trusts no caller)."""
-    problems = pointer_problems(w, g, moments, level)
+    problems += extra
     if problems:
         raise ValueError(f"GWT-AdamW ({backend}): cannot step a parameter of shape {tuple(w.shape)}: "
                          + "; ".join(problems))

@@ -25,10 +25,10 @@ from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_fla
 from gwt_optim.optim._backends import MOMENT_DTYPES
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, shipped_families
-from gwt_optim.optim._stepper import ParamStep, StepBatch, Stepper, caller_stacklevel, make_untraced, untraced
+from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
-__all__ = ["GWTOptimizer", "ParamStep", "StepBatch", "IMPLEMENTATIONS"]
+__all__ = ["GWTOptimizer", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "fast")
 
@@ -151,10 +151,9 @@ class GWTOptimizer(Optimizer):
         if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
                                      and math.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
-        if not isinstance(g["match_rms"], bool):
-            raise ValueError(f"Invalid match_rms: {g['match_rms']!r} (True or False)")
-        if not isinstance(g["adamw_units"], bool):
-            raise ValueError(f"Invalid adamw_units: {g['adamw_units']!r} (True or False)")
+        for key in ("match_rms", "adamw_units"):
+            if not isinstance(g[key], bool):
+                raise ValueError(f"Invalid {key}: {g[key]!r} (True or False)")
         md = g["moment_dtype"]
         if md is not None and md not in MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)} or None)")
@@ -281,13 +280,13 @@ class GWTOptimizer(Optimizer):
 
     def _count(self, skipped: list) -> None:
         """Record the updates a step skipped for a non-finite gradient: the
-        parameters, the fused backends' lists of ParamSteps, or their running
+        parameters, the fused backends' lists of them, or their running
         device counts (kept by identity: no host sync here)."""
         for item in skipped:
             if isinstance(item, tuple):
                 self._nonfinite_counters.update((id(count), count) for count in item)
                 continue
-            for p in [item] if isinstance(item, Tensor) else [ps.full_param for ps in item]:
+            for p in [item] if isinstance(item, Tensor) else item:
                 self._nonfinite_skips += 1
                 if not self._warned_nonfinite:
                     self._warned_nonfinite = True

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 from torch import Tensor
 
-from gwt_optim.optim._backends import CAPABILITIES, Capabilities, check_pointers
+from gwt_optim.optim._backends import CAPABILITIES, Bucket, Capabilities, check_pointers
 from gwt_optim.optim._native import NativeBackend, native_library
 from gwt_optim.optim._toolchain import KernelUnavailable
 
@@ -35,11 +35,7 @@ __all__ = ["BACKENDS", "BACKEND_OPTIONS", "FusedBackend", "FusedAdamWBackend", "
 class FusedBackend(Protocol):
     """A fused backend of the Haar GWT-AdamW step. Nothing is asked of it but
     its :attr:`capabilities`; each parameter's state is checked
-    (:func:`gwt_optim.optim._saved.state_problem`) before it is handed over.
-    With ``capabilities.plans`` it also has ``step_batches(batches,
-    limiter_eps, *, key)`` (:meth:`step_many` for a plan's StepBatch list,
-    which it may cache by ``key`` until another list comes under that key) and
-    ``invalidate()``."""
+    (:func:`gwt_optim.optim._saved.state_problem`) before it is handed over."""
 
     name: str
     capabilities: Capabilities
@@ -47,17 +43,23 @@ class FusedBackend(Protocol):
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Build or compile what this parameter needs, before any state changes."""
 
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list | tuple:
+        """Whole steps of the parameters of ``buckets``; one with a non-finite
+        gradient keeps its weight and state. Returns the parameters so
+        skipped, or a tuple of running device counts of them (no host sync).
+        ``key`` names a step plan (see :class:`Bucket`): the backend may keep
+        what it derives from the list under it, until another list comes
+        under that key or :meth:`invalidate` is called."""
+
+    def invalidate(self) -> None:
+        """Forget what :meth:`step_buckets` keeps per plan key."""
+
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int) -> tuple[float | Tensor, Any]:
         """Update the moments (a finite gradient); the limiter's ||U||^2 and a carry."""
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, scale: float,
                decay: float) -> None:
         """``w <- w * decay - scale / r * delta``, right after phase 1 or later."""
-
-    def step_many(self, steps: list, limiter_eps: float) -> Sequence[Any] | tuple[Tensor, ...]:
-        """Whole steps of ``(ParamStep, scale, decay)`` items; a parameter with a
-        non-finite gradient keeps its weight and state. Returns the ParamSteps
-        so skipped, or a tuple of running device counts (no host sync)."""
 
 
 class FusedAdamWBackend:
@@ -73,29 +75,32 @@ class FusedAdamWBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to build: the kernel ships with torch."""
 
-    def step_many(self, steps: list, limiter_eps: float) -> list:
+    def invalidate(self) -> None:
+        """Nothing kept."""
+
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list[Tensor]:
         skipped = []
-        calls: dict[tuple, list] = {}
-        for ps, _, _ in steps:
-            g = ps.group
+        calls: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = {}
+        for b in buckets:
+            g = b.group
             lr = g["lr"].item() if isinstance(g["lr"], Tensor) else g["lr"]
-            calls.setdefault((ps.param.dtype, lr, *g["betas"], g["eps"], g["weight_decay"]), []).append(ps)
+            for w, grad, st in zip(b.params, b.grads, b.states):
+                calls.setdefault((w.dtype, lr, *g["betas"], g["eps"], g["weight_decay"]), []).append((w, grad, st))
         for (_, lr, beta1, beta2, eps, wd), items in calls.items():
-            finite = all_finite([ps.grad for ps in items])
+            finite = all_finite([grad for _, grad, _ in items])
             if not all(finite):
-                skipped += [ps for ps, ok in zip(items, finite) if not ok]
-                items = [ps for ps, ok in zip(items, finite) if ok]
+                skipped += [w for (w, _, _), ok in zip(items, finite) if not ok]
+                items = [item for item, ok in zip(items, finite) if ok]
                 if not items:
                     continue
-            for ps in items:
-                check_pointers(self.name, ps.param, ps.grad,
-                               {"exp_avg": ps.state["exp_avg"], "exp_avg_sq": ps.state["exp_avg_sq"]}, 0)
+            for w, grad, st in items:
+                check_pointers(self.name, w, grad, st, 0)
             torch._fused_adamw_(
-                [ps.param for ps in items], [ps.grad for ps in items], [ps.state["exp_avg"] for ps in items],
-                [ps.state["exp_avg_sq"] for ps in items], [],
+                [w for w, _, _ in items], [grad for _, grad, _ in items], [st["exp_avg"] for _, _, st in items],
+                [st["exp_avg_sq"] for _, _, st in items], [],
                 # The stepper has advanced the step counts (CPU float32 tensors,
                 # as fused AdamW keeps them on CPU) before this call.
-                [ps.state["step"] for ps in items],
+                [st["step"] for _, _, st in items],
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
             )
         return skipped
@@ -155,6 +160,7 @@ class Kernels:
         self.backend, self.strict, self.impl = backend, strict, impl
         self._backends: dict[str, Any] = {}
         self._failed: set[str] = set()
+        self.routes: dict[tuple, tuple] = {}  # choose's answers per bucket
         self._plain_cpu = FusedAdamWBackend()  # torch's kernel: nothing to build
 
     def refusal(self, group: dict) -> str | None:
@@ -182,7 +188,7 @@ class Kernels:
             if last:
                 warnings.warn(f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
                               RuntimeWarning, stacklevel=4)
-            self._failed.add(name)
+            self._fail(name)
             return None
         self._backends[name] = backend
         return backend
@@ -198,7 +204,12 @@ class Kernels:
                                         "backend='eager' to use the eager path") from exc
             warnings.warn(f"GWT-AdamW: compiling the fused '{backend.name}' kernels failed ({exc}); using "
                           + ("the eager path" if last else "the next backend"), RuntimeWarning, stacklevel=4)
-            self._failed.add(backend.name)
-            self._backends.pop(backend.name, None)
+            self._fail(backend.name)
             return False
         return True
+
+    def _fail(self, name: str) -> None:
+        """Remember that ``name`` failed, and forget the answers that may name it."""
+        self._failed.add(name)
+        self._backends.pop(name, None)
+        self.routes.clear()

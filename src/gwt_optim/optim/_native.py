@@ -28,14 +28,15 @@ import dataclasses
 import functools
 import math
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable
+from typing import Hashable
 
 import torch
 from torch import Tensor
 
 from gwt_optim.optim import _toolchain
-from gwt_optim.optim._backends import CAPABILITIES, check_pointers
+from gwt_optim.optim._backends import CAPABILITIES, Bucket, check_pointers
 
 __all__ = ["NativeBackend", "native_library"]
 
@@ -68,21 +69,15 @@ class _Task(ctypes.Structure):
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in _DTYPE_SUFFIX.values():
-        p1 = getattr(lib, f"gwt_adamw_haar_phase1_{name}")
-        p1.restype = ctypes.c_double
-        p1.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2 = getattr(lib, f"gwt_adamw_haar_phase2_{name}")
-        p2.restype = None
-        p2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
-        p2c = getattr(lib, f"gwt_adamw_haar_phase2_clip_{name}")
-        p2c.restype = None
-        p2c.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Hyper), ctypes.c_int]
+        # The phases: their pointers, then (rows, n, level, hyper, threads).
+        for phase, restype, pointers in (("phase1", ctypes.c_double, 5), ("phase2", None, 4), ("phase2_clip", None, 5)):
+            fn = getattr(lib, f"gwt_adamw_haar_{phase}_{name}")
+            fn.restype, fn.argtypes = restype, [ptr] * pointers + [i64, i64, i32, ctypes.POINTER(_Hyper), i32]
         steps = getattr(lib, f"gwt_adamw_haar_steps_{name}")
-        steps.restype = None
-        steps.argtypes = [ctypes.POINTER(_Task), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.gwt_bf16_max_level.restype = ctypes.c_int
-    lib.gwt_bf16_max_level.argtypes = []
+        steps.restype, steps.argtypes = None, [ctypes.POINTER(_Task), i32, ptr, i64, i32, i32, i64]
+    lib.gwt_bf16_max_level.restype, lib.gwt_bf16_max_level.argtypes = i32, []
     return lib
 
 
@@ -106,19 +101,21 @@ _PIPELINE_WORKSPACE_BYTES = 256 << 20
 _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
-def _moments(state: dict) -> dict[str, Tensor]:
-    return {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-
-
-def _hu(group: dict, level: int) -> float:
-    """U's factor in the inverse (functional.approx_gain): 1 with adamw_units, else h = 2^(-l/2)."""
-    return 1.0 if group.get("adamw_units") else 2.0 ** (-level / 2)
-
-
-def _clip(group: dict) -> float:
-    """detail_clip as the kernels take it: 0 when off."""
+def _hyper(group: dict, level: int, step: int, scale: float = 0.0, decay: float = 0.0) -> _Hyper:
+    """The kernels' hyperparameters of a step of ``group`` at ``level`` (detail_clip 0 when off; hu 1 with
+    adamw_units, else h = 2^(-l/2))."""
+    beta1, beta2 = group["betas"]
     clip = group.get("detail_clip")
-    return 0.0 if clip is None else float(clip)
+    h = 2.0 ** (-level / 2)
+    return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=scale,
+                  decay=decay, clip=0.0 if clip is None else float(clip),
+                  hu=1.0 if group.get("adamw_units") else h)  # U's factor in the inverse (functional.approx_gain)
+
+
+def _rows(G: Tensor) -> tuple[int, int, int]:
+    """(rows, n, numel) of a weight or gradient, rows of its last axis."""
+    n, numel = G.shape[-1], G.numel()
+    return (numel // n if n else 0), n, numel
 
 
 class _NativeCarry:
@@ -132,16 +129,18 @@ class _NativeCarry:
         self.buffer, self.d, self.t, self.hyper, self.m = buffer, d, t, hyper, m
 
 
+@dataclass
 class _NativeTasks:
     """One weight dtype's whole steps for ``gwt_adamw_haar_steps_*``: its
-    ParamSteps (largest first) and their task array, whether the kernel
-    pipelines them one parameter per thread (see ``_fused_cpu.c``), and the
-    workspace entries of one slot."""
+    parameters as (bucket, index), largest first, and their task array,
+    whether the kernel pipelines them one parameter per thread (see
+    ``_fused_cpu.c``), and the workspace entries of one slot."""
 
-    __slots__ = ("dtype", "steps", "tasks", "pipelined", "stride")
-
-    def __init__(self, dtype: torch.dtype, steps: list, tasks: ctypes.Array, pipelined: bool, stride: int) -> None:
-        self.dtype, self.steps, self.tasks, self.pipelined, self.stride = dtype, steps, tasks, pipelined, stride
+    dtype: torch.dtype
+    items: list[tuple[Bucket, int]]
+    tasks: ctypes.Array
+    pipelined: bool
+    stride: int
 
 
 class NativeBackend:
@@ -150,7 +149,7 @@ class NativeBackend:
 
     Besides the two phases (for parameters whose phase 2 waits for a
     collective), it runs whole steps of many parameters in one call
-    (:meth:`step_many`, ``batched = True``).
+    (:meth:`step_buckets`, ``batched = True``).
     """
 
     name = "native"
@@ -167,14 +166,9 @@ class NativeBackend:
         bf16_max_level = ((torch.bfloat16, lib.gwt_bf16_max_level()),)
         if bf16_max_level != self.capabilities.max_level:
             self.capabilities = dataclasses.replace(self.capabilities, max_level=bf16_max_level)
-        # The task arrays of the optimizer's step plan (step_batches), kept
-        # while it hands over the same StepBatch list: filling one ctypes
-        # struct per parameter per step costs more than the kernel on small
-        # weights.
-        # Per plan key (see step_batches): the list, the threads and limiter
-        # eps the arrays were made for, the StepBatch of each ParamStep, and
-        # the task arrays.
-        self._plans: dict[Hashable, tuple[list, tuple, dict[int, Any], list[_NativeTasks]]] = {}
+        # Per plan key (step_buckets): the bucket list, the threads and
+        # limiter eps the task arrays were made for, and the arrays.
+        self._plans: dict[Hashable, tuple[list, tuple, list[_NativeTasks]]] = {}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
         # One workspace per dtype, reused by every parameter whose phase 2 runs
         # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
@@ -200,60 +194,51 @@ class NativeBackend:
     def _threads(numel: int, rows: int) -> int:
         return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
 
-    def step_many(self, steps: list, limiter_eps: float) -> list:
-        """Whole steps (phase 1, limiter, phase 2) of many parameters; returns
-        those skipped for a non-finite gradient (weight and state unchanged).
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list[Tensor]:
+        """Whole steps (phase 1, limiter, phase 2) of the parameters of
+        ``buckets``, one call per weight dtype; returns those skipped for a
+        non-finite gradient (weight and state unchanged). The kernels read
+        and write the limiter's norm ``state["limiter_norm"]`` in place.
 
-        ``steps`` holds ``(ps, scale, decay)``: a :class:`~gwt_optim.optim._stepper.ParamStep`
-        of a GWT-AdamW parameter, ``scale`` = alpha * lr * bias correction and
-        ``decay`` = 1 - lr * weight_decay. The kernels read and write the
-        limiter's norm ``state["limiter_norm"]`` in place.
-        """
-        threads = torch.get_num_threads()
-        scalars = {id(ps): (scale, decay) for ps, scale, decay in steps}
-        planned = self._tasks([ps for ps, _, _ in steps], threads, limiter_eps)
-        return self._run(planned, lambda ps: scalars[id(ps)], threads)
-
-    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> list:
-        """:meth:`step_many` for one of the optimizer's plans (a list of
-        :class:`~gwt_optim.optim._stepper.StepBatch`; ``key`` names the plan, and
-        a new list under a key replaces the old one): the task arrays are made
-        once per list, and afterwards only the gradients' addresses and the
-        per-step scalars are written into them."""
+        Under a plan's ``key`` (see :class:`~gwt_optim.optim._backends.Bucket`)
+        the task arrays are made once per list of buckets, and afterwards only
+        the gradients' addresses and the per-step scalars are written into
+        them: filling one ctypes struct per parameter per step costs more
+        than the kernel on small weights."""
         threads = torch.get_num_threads()
         cached = self._plans.get(key)
-        if cached is None or cached[0] is not batches or cached[1] != (threads, limiter_eps):
-            batch_of = {id(ps): b for b in batches for ps in b.steps}
-            planned = self._tasks([ps for b in batches for ps in b.steps], threads, limiter_eps)
-            cached = self._plans[key] = (batches, (threads, limiter_eps), batch_of, planned)
-        _, _, batch_of, planned = cached
-        return self._run(planned, lambda ps: (batch_of[id(ps)].scale, batch_of[id(ps)].decay), threads)
+        if cached is None or cached[0] is not buckets or cached[1] != (threads, limiter_eps):
+            cached = (buckets, (threads, limiter_eps), self._tasks(buckets, threads, limiter_eps))
+            if key is not None:
+                self._plans[key] = cached
+        return self._run(cached[2], threads)
 
     def invalidate(self) -> None:
         """Forget the task arrays kept for the optimizer's plans."""
         self._plans.clear()
 
-    def _tasks(self, steps: list, threads: int, limiter_eps: float) -> list[_NativeTasks]:
-        """The task arrays of these ParamSteps, one per weight dtype, largest
-        parameter first (so that the dynamic schedule ends evenly), with
-        everything but what :meth:`_run` writes on every step."""
-        by_dtype: dict[torch.dtype, list] = {}
-        for ps in steps:
-            by_dtype.setdefault(ps.param.dtype, []).append(ps)
+    def _tasks(self, buckets: list[Bucket], threads: int, limiter_eps: float) -> list[_NativeTasks]:
+        """The task arrays of these buckets' parameters, one per weight dtype,
+        largest parameter first (so that the dynamic schedule ends evenly),
+        with everything but what :meth:`_run` writes on every step."""
+        by_dtype: dict[torch.dtype, list[tuple[Bucket, int]]] = {}
+        for b in buckets:
+            for i, w in enumerate(b.params):
+                by_dtype.setdefault(w.dtype, []).append((b, i))
         planned = []
-        for dtype, group in by_dtype.items():
-            group.sort(key=lambda ps: -ps.grad.numel())
-            tasks = (_Task * len(group))()
+        for dtype, items in by_dtype.items():
+            items.sort(key=lambda item: -item[0].params[item[1]].numel())
+            tasks = (_Task * len(items))()
             ws_numel = 0
-            for task, ps in zip(tasks, group):
-                G, M = ps.grad, ps.state["exp_avg"]
-                check_pointers(self.name, ps.param, G, _moments(ps.state), ps.level)
-                n = G.shape[-1]
-                task.w, task.m, task.v = ps.param.data_ptr(), M.data_ptr(), ps.state["exp_avg_sq"].data_ptr()
-                task.rows, task.n = (G.numel() // n if n else 0), n
-                task.level = ps.level
+            for task, (b, i) in zip(tasks, items):
+                w, st = b.params[i], b.states[i]
+                check_pointers(self.name, w, b.grads[i], st, b.levels[i])
+                M = st["exp_avg"]
+                task.w, task.m, task.v = w.data_ptr(), M.data_ptr(), st["exp_avg_sq"].data_ptr()
+                task.rows, task.n, _ = _rows(w)
+                task.level = b.levels[i]
                 task.limiter_eps = limiter_eps
-                task.snorm = ps.state["limiter_norm"].data_ptr() if ps.limited else None
+                task.snorm = st["limiter_norm"].data_ptr() if b.limited[i] else None
                 ws_numel = max(ws_numel, 2 * M.numel())
             # One parameter per thread when there are enough to share out and
             # none would keep one thread busy after the others are done, and
@@ -261,89 +246,64 @@ class NativeBackend:
             # parameter's moments) stay small: next to the moments, or in
             # bytes (LLaMA-7B at 64 threads would need 12 GB of them);
             # otherwise one after the other, each split by rows (one slot).
-            sizes = [ps.grad.numel() for ps in group]
-            moments = sum(2 * ps.state["exp_avg"].numel() for ps in group)
+            sizes = [b.params[i].numel() for b, i in items]
+            moments = sum(2 * b.states[i]["exp_avg"].numel() for b, i in items)
             itemsize = _STATE_DTYPE[dtype].itemsize
             allowed = max(_PIPELINE_WORKSPACE_SHARE * moments, _PIPELINE_WORKSPACE_BYTES / itemsize)
-            pipelined = (len(group) >= 2 * threads and sizes[0] * threads <= sum(sizes)
+            pipelined = (len(items) >= 2 * threads and sizes[0] * threads <= sum(sizes)
                          and 2 * threads * ws_numel <= allowed)
-            planned.append(_NativeTasks(dtype, group, tasks, pipelined, ws_numel))
+            planned.append(_NativeTasks(dtype, items, tasks, pipelined, ws_numel))
         return planned
 
-    def _run(self, planned: list[_NativeTasks], scalars: Callable[[Any], tuple[float, float]], threads: int) -> list:
+    def _run(self, planned: list[_NativeTasks], threads: int) -> list[Tensor]:
         """Write this step's gradients and scalars into the task arrays, run
-        them, and return the ParamSteps skipped for a non-finite gradient."""
+        them, and return the parameters skipped for a non-finite gradient."""
         skipped = []
         for entry in planned:
             hypers: dict[tuple, _Hyper] = {}
-            for task, ps in zip(entry.tasks, entry.steps):
-                group = ps.group
-                scale, decay = scalars(ps)
-                # Steps, lr and decay are almost always shared: one struct each
-                # (a group's 1-D weights step at level 0, its matrices at its level).
-                key = (id(group), ps.level, ps.step, scale, decay)
-                hyper = hypers.get(key)
+            for task, (b, i) in zip(entry.tasks, entry.items):
+                level = b.levels[i]
+                # One struct per bucket and level (a group's 1-D weights step
+                # at level 0, its matrices at its level).
+                hyper = hypers.get((id(b), level))
                 if hyper is None:
-                    beta1, beta2 = group["betas"]
-                    hyper = hypers[key] = _Hyper(
-                        h=2.0 ** (-ps.level / 2),
-                        w1=1.0 - beta1,
-                        beta2=beta2,
-                        eps2=group["eps"] * math.sqrt(1.0 - beta2**ps.step),
-                        scale=scale,
-                        decay=decay,
-                        clip=_clip(group),
-                        hu=_hu(group, ps.level),
-                    )
+                    hyper = hypers[id(b), level] = _hyper(b.group, level, b.step, b.scale, b.decay)
                 task.hyper = hyper
-                g = ps.grad  # a new tensor on most steps: its layout is checked every time
-                if not (g.is_contiguous() and g.shape == ps.param.shape and g.dtype == ps.param.dtype):
-                    check_pointers(self.name, ps.param, g, {}, ps.level)
-                    raise ValueError(f"GWT-AdamW ({self.name}): a {g.dtype} gradient for a {ps.param.dtype} weight")
+                w, g = b.params[i], b.grads[i]  # a new gradient on most steps: its layout is checked every time
+                if not (g.is_contiguous() and g.shape == w.shape and g.dtype == w.dtype):
+                    check_pointers(self.name, w, g, None, level)
+                    raise ValueError(f"GWT-AdamW ({self.name}): a {g.dtype} gradient for a {w.dtype} weight")
                 task.g = g.data_ptr()
-                task.gamma = group["norm_growth_limit"] if ps.limited else 0.0
-                task.first = ps.step == 1
+                task.gamma = b.group["norm_growth_limit"] if b.limited[i] else 0.0
+                task.first = b.step == 1
             needed = entry.stride * (2 * threads if entry.pipelined else 1)
             state_dtype = _STATE_DTYPE[entry.dtype]
             buf = self._batch_workspace.get(state_dtype)
             if buf is None or buf.numel() < needed:
                 buf = self._batch_workspace[state_dtype] = torch.empty(needed, dtype=state_dtype)
-            self._steps[entry.dtype](entry.tasks, len(entry.steps), buf.data_ptr(), entry.stride, threads,
+            self._steps[entry.dtype](entry.tasks, len(entry.items), buf.data_ptr(), entry.stride, threads,
                                      int(entry.pipelined), _MIN_ENTRIES_PER_THREAD)
-            skipped += [ps for task, ps in zip(entry.tasks, entry.steps) if task.skipped]
+            skipped += [b.params[i] for task, (b, i) in zip(entry.tasks, entry.items) if task.skipped]
         return skipped
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
-        beta1, beta2 = group["betas"]
         M, V = state["exp_avg"], state["exp_avg_sq"]
-        check_pointers(self.name, G, G, _moments(state), level)  # the weight is checked in phase2
-        n = G.shape[-1]
-        numel = G.numel()
-        rows = numel // n if n else 0
+        check_pointers(self.name, G, G, state, level)  # the weight is checked in phase2
+        rows, n, numel = _rows(G)
         buf, shared = self._buffer(2 * M.numel(), M.dtype)
         d = buf.data_ptr()
         t = d + M.numel() * buf.element_size()
-        hyper = _Hyper(
-            h=2.0 ** (-level / 2),
-            w1=1.0 - beta1,
-            beta2=beta2,
-            eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
-            clip=_clip(group),
-            hu=_hu(group, level),
-        )
-        norm_sq = self._phase1[G.dtype](
-            G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper), self._threads(numel, rows)
-        )
+        hyper = _hyper(group, level, step)
+        norm_sq = self._phase1[G.dtype](G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level,
+                                        ctypes.byref(hyper), self._threads(numel, rows))
         carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
         if shared:
             self._owner[M.dtype] = weakref.ref(carry)
         return norm_sq, carry
 
     def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
-        check_pointers(self.name, w, G, {}, level)
-        n = G.shape[-1]
-        numel = G.numel()
-        rows = numel // n if n else 0
+        check_pointers(self.name, w, G, None, level)
+        rows, n, numel = _rows(G)
         hyper = carry.hyper
         hyper.scale = scale / float(r)
         hyper.decay = decay
@@ -359,4 +319,3 @@ class NativeBackend:
         owner = self._owner.get(carry.buffer.dtype)
         if owner is not None and owner() is carry:
             del self._owner[carry.buffer.dtype]
-

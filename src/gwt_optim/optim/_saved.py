@@ -59,7 +59,7 @@ def describe(groups: list[dict], p: Tensor) -> str:
     return f"a parameter of shape {tuple(p.shape)}"
 
 
-def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | None = None, G: Tensor | None = None,
+def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | None = None,
                   fused_dtype: torch.dtype | None = None) -> str | None:
     """Why ``state`` cannot take a level-``level`` step, or None: every tensor
     of ``spec`` (name -> the shape the family makes for this parameter and
@@ -67,16 +67,9 @@ def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | N
     saved one): on its device, of a floating (or int8 code) dtype. For the
     fused kernels, which index the state through raw pointers sized by the
     weight (``fused_dtype``: the moments' dtype they read), also of that dtype
-    and contiguous, beside a contiguous weight and gradient ``G`` of one shape
-    and a one-element limiter norm."""
+    and contiguous, with a one-element limiter norm (the weight and gradient
+    are :func:`~gwt_optim.optim._backends.choose`'s to check)."""
     saved = "the saved " if w is None else ""
-    if fused_dtype is not None:
-        if G.shape != w.shape:
-            return f"its gradient has shape {tuple(G.shape)}, the parameter {tuple(w.shape)}"
-        if G.device != w.device:
-            return f"its gradient is on {G.device}, the parameter on {w.device}"
-        if not (w.is_contiguous() and G.is_contiguous()):
-            return "the fused kernels need a contiguous parameter and gradient"
     for key, shape in spec.items():
         t = state.get(key)
         if not isinstance(t, Tensor):
@@ -97,13 +90,6 @@ def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | N
     if fused_dtype is not None and s is not None and not (isinstance(s, Tensor) and s.numel() == 1):
         return f"state 'limiter_norm' must be a one-element tensor, got {s!r}"
     return None
-
-
-def _guess_family(keys: set[str], families: dict[str, str | None]) -> str | None:
-    for name, key in families.items():
-        if key is not None and key in keys:
-            return name
-    return "GWTAdamW" if "betas" in keys else None
 
 
 def check_family(mine: str, saved_groups: list[dict[str, Any]], families: dict[str, str | None]) -> None:
@@ -129,7 +115,8 @@ def check_family(mine: str, saved_groups: list[dict[str, Any]], families: dict[s
             f"this state dict was saved by {other} (its param groups have no GWT 'level'); "
             f"it cannot be loaded into {mine}"
         )
-    other = _guess_family(keys, families)
+    other = next((name for name, key in families.items() if key is not None and key in keys),
+                 "GWTAdamW" if "betas" in keys else None)
     if other is not None and other != mine and mine in families:
         raise ValueError(f"this state dict was saved by {other}; it cannot be loaded into {mine}")
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim._backends import choose, moment_dtype, route_key
+from gwt_optim.optim._backends import Bucket, choose, moment_dtype, route_key
 from gwt_optim.optim._family import group_lr
 from gwt_optim.optim._fused import all_finite
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
@@ -27,8 +27,7 @@ from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_a
                                       reduce_limiter_norms)
 from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor, compute_dtype, limiter_ratio
 
-__all__ = ["ParamStep", "StepBatch", "Plan", "Stepper", "STEP", "make_plan", "plannable", "untraced",
-           "caller_stacklevel"]
+__all__ = ["ParamStep", "Plan", "Stepper", "STEP", "make_plan", "plannable", "untraced", "caller_stacklevel"]
 
 #: The key of the plan over every parameter (step_param's plans are keyed by id(param)).
 STEP = "step"
@@ -67,34 +66,6 @@ class ParamStep:
     batched: bool = False  # the fused backend runs this whole step later, with others
 
 
-@dataclass
-class StepBatch:
-    """Whole steps a batched backend runs with one set of scalars: the
-    ParamSteps of one group and step count whose alpha is all the group's or all 1.
-
-    While a plan holds, a backend's ``step_batches`` gets the same list of the
-    same StepBatches every step, only ``step``, ``scale``, ``decay`` and each
-    ParamStep's ``grad`` and ``step`` updated, so it may cache what it derives
-    by identity: the plan has checked the parameters (address, shape, strides,
-    dtype, device) and state tensors (the same, at the same addresses); a
-    gradient may be a new tensor of the same dtype, shape, strides and device.
-    """
-
-    steps: list[ParamStep]
-    group: dict
-    step: int  # the step count after this step's increment
-    scaled: bool  # alpha is the group's "scale" (else 1)
-    scale: float = 0.0  # alpha * lr * step factor
-    decay: float = 1.0  # 1 - lr * weight_decay
-
-
-def _scalars(group: dict, step: int, alpha: float) -> tuple[float, float]:
-    """A fused step's (scale, decay): the kernels are GWT-AdamW's, so the step
-    factor is Adam's bias correction."""
-    lr = group_lr(group)
-    return alpha * lr * adam_step_factor(step, *group["betas"]), 1 - lr * group["weight_decay"]
-
-
 def plannable(ps: ParamStep) -> bool:
     """Whether a plan may repeat this batched ParamStep: not for a gradient
     cast to the compute dtype (a copy on every step), nor for a step count
@@ -105,6 +76,37 @@ def plannable(ps: ParamStep) -> bool:
             and all(isinstance(v, Tensor) for v in ps.state.values()))
 
 
+def _buckets(batched: list[ParamStep]) -> list[tuple[Any, list[Bucket]]]:
+    """The batched steps as each backend takes them: Buckets of one group,
+    step count and alpha (alpha = 1, a route_key option, lets weights and
+    vectors share launches)."""
+    buckets: dict[tuple, Bucket] = {}
+    by_backend: dict[int, tuple[Any, list[Bucket]]] = {}
+    for ps in batched:
+        key = (id(ps.backend), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
+        b = buckets.get(key)
+        if b is None:
+            b = buckets[key] = Bucket(ps.group, ps.step, key[-1])
+            by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append(b)
+        b.params.append(ps.param)
+        b.grads.append(ps.grad)
+        b.states.append(ps.state)
+        b.levels.append(ps.level)
+        b.limited.append(ps.limited)
+    return list(by_backend.values())
+
+
+def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, key: Hashable = None) -> None:
+    """Each backend's buckets, one call each, with this step's scalars (the
+    kernels are GWT-AdamW's: the step factor is Adam's bias correction)."""
+    for backend, buckets in by_backend:
+        for b in buckets:
+            group, lr = b.group, group_lr(b.group)
+            alpha = group["scale"] if b.scaled else 1.0
+            b.scale, b.decay = alpha * lr * adam_step_factor(b.step, *group["betas"]), 1 - lr * group["weight_decay"]
+        skipped.append(backend.step_buckets(buckets, LIMITER_EPS, key))
+
+
 @dataclass
 class Plan:
     """The batched part of the last step over a scope, repeated without
@@ -112,13 +114,14 @@ class Plan:
 
     key: Hashable  # STEP, or id(param) for step_param's; the backends cache by it
     state: dict  # the optimizer's state mapping it was made with
-    groups: list[dict]  # the scope's groups: the batches read their lr and weight decay
+    groups: list[dict]  # the scope's groups: the buckets read their lr and weight decay
     routes: list[tuple]  # route_key of each of them
     params: list[Tensor]  # every parameter of the scope, in group order
     states: list[dict]  # the scope's state dicts, in their order
     rest: list[tuple[Tensor, dict]]  # (parameter, group) of the scope's others: every check every step
-    steps: list[ParamStep]  # the planned parameters' steps, reused
-    step_params: list[Tensor]
+    by_backend: list[tuple[Any, list[Bucket]]]  # the planned parameters' buckets, reused
+    flat: list[Bucket]  # the same Buckets in one list
+    step_params: list[Tensor]  # the planned parameters, in the buckets' order
     step_states: list[dict]
     # Of each planned parameter, _layout: its gradient's dtype and contiguity,
     # its address and shape, and the weight's and the gradient's strides
@@ -129,20 +132,16 @@ class Plan:
     addresses: list[int]  # and their addresses
     counter: Tensor  # their step counts (state["step"] are views of it), one add_ per step
     version: int  # counter._version after the last add_
-    batches: list[tuple[Any, list[StepBatch]]]  # per backend
-    flat: list[StepBatch]  # the same StepBatches in one list
 
-    def holds_scope(self, groups: list[dict], params: list[Tensor], states: list) -> bool:
-        """Whether the scope is as it was: the same group dicts, parameters and
-        state dicts, in order (one replaced, added or removed shows)."""
-        return _same(groups, self.groups) and _same(params, self.params) and _same(states, self.states)
-
-    def grads(self, state: dict) -> list[Tensor] | None:
-        """The planned gradients if this step, its scope as it was, may repeat
-        the plan: the groups' routing options and the step counts as they were
-        (nothing wrote them but the plan), the planned parameters and state
-        tensors too (see :class:`StepBatch`), and gradients of the same layout."""
-        if (self.state is not state or self.counter._version != self.version
+    def grads(self, state: dict, groups: list[dict], params: list[Tensor], states: Callable[[], list]) -> list | None:
+        """The planned gradients if this step may repeat the plan: the scope as
+        it was (the same group dicts, parameters and state dicts, in order:
+        one replaced, added or removed shows), the groups' routing options and
+        the step counts as they were (nothing wrote them but the plan), the
+        planned parameters and state tensors too (see :class:`Bucket`), and
+        gradients of the same layout."""
+        if (self.state is not state or not (_same(groups, self.groups) and _same(params, self.params))
+                or not _same(states(), self.states) or self.counter._version != self.version
                 or list(map(route_key, self.groups)) != self.routes):
             return None
         params = self.step_params
@@ -162,34 +161,25 @@ class Plan:
     def run(self, grads: list[Tensor] | None, skipped: list) -> None:
         """The planned parameters' whole steps, one call per backend. With
         ``grads`` (a repeated plan) their step counts advance here; otherwise
-        the checks have advanced them and left the gradients."""
+        the checks have advanced them and left the gradients in the buckets."""
         if grads is not None:
             flat = self.flat
             if len(flat) == 1:  # one step count (step_param's plans): fill_ costs a seventh of add_(1)
                 self.counter.fill_(flat[0].step + 1)
             else:
                 self.counter.add_(1)
-            for ps, g in zip(self.steps, grads):
-                ps.grad = g
-            for batch in flat:
-                batch.step += 1
-                for ps in batch.steps:
-                    ps.step = batch.step
+            i = 0
+            for b in flat:
+                b.step += 1
+                b.grads = grads[i:i + len(b.params)]
+                i += len(b.params)
         self.version = self.counter._version
         try:
-            for backend, batches in self.batches:
-                for batch in batches:
-                    batch.scale, batch.decay = _scalars(batch.group, batch.step, batch.group["scale"] if batch.scaled
-                                                        else 1.0)
-                if backend.capabilities.plans:
-                    skipped.append(backend.step_batches(batches, LIMITER_EPS, key=self.key))
-                else:
-                    skipped.append(backend.step_many([(ps, b.scale, b.decay) for b in batches for ps in b.steps],
-                                                     LIMITER_EPS))
+            _launch(self.by_backend, skipped, self.key)
         finally:
             # The plan outlives the step; the gradients must not (zero_grad frees them).
-            for ps in self.steps:
-                ps.grad = None
+            for b in self.flat:
+                b.grads = []
 
 
 def make_plan(state: dict, key: Hashable, batched: list[ParamStep], pairs: list[tuple[Tensor, dict]],
@@ -206,24 +196,17 @@ def make_plan(state: dict, key: Hashable, batched: list[ParamStep], pairs: list[
     counter = torch.stack([ps.state["step"] for ps in planned])
     for i, ps in enumerate(planned):
         ps.state["step"] = counter[i]
-    batches: dict[tuple, StepBatch] = {}
-    by_backend: dict[int, tuple[Any, list[StepBatch]]] = {}
-    for ps in planned:
-        # alpha = 1 (a route_key option) lets weights and vectors share launches.
-        bkey = (id(ps.backend), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
-        batch = batches.get(bkey)
-        if batch is None:
-            batch = batches[bkey] = StepBatch([], ps.group, ps.step, bkey[-1])
-            by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append(batch)
-        batch.steps.append(ps)
-    values = [v for ps in planned for v in ps.state.values()]
+    by_backend = _buckets(planned)
+    flat = [b for _, buckets in by_backend for b in buckets]
+    step_params = [p for b in flat for p in b.params]
+    step_states = [st for b in flat for st in b.states]
+    values = [v for st in step_states for v in st.values()]
     plan = Plan(
         key=key, state=state, groups=list(groups), routes=[route_key(g) for g in groups],
         params=[p for p, _ in pairs], states=states, rest=[(p, g) for p, g in pairs if id(p) not in ids],
-        steps=planned, step_params=[ps.full_param for ps in planned], step_states=[ps.state for ps in planned],
-        layouts=[_layout(ps.full_param, ps.grad) for ps in planned], values=values,
+        by_backend=by_backend, flat=flat, step_params=step_params, step_states=step_states,
+        layouts=[_layout(p, g) for b in flat for p, g in zip(b.params, b.grads)], values=values,
         addresses=list(map(_data_ptr, values)), counter=counter, version=counter._version,
-        batches=list(by_backend.values()), flat=list(batches.values()),
     )
     return plan, left
 
@@ -259,7 +242,7 @@ class Stepper:
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
         plan = self.plans.get(key)
-        grads = plan.grads(opt.state) if plan is not None and plan.holds_scope(groups, params, states()) else None
+        grads = plan.grads(opt.state, groups, params, states) if plan is not None else None
         if grads is not None:
             if plan.rest:
                 self._each(opt, plan.rest, batched, deferred, skipped)
@@ -276,15 +259,18 @@ class Stepper:
             if plan is not None:
                 self.plans[key] = plan
                 plan.run(None, skipped)
-        self._finish(opt, batched, deferred, skipped)
+        # The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves.
+        _launch(_buckets(batched), skipped)
+        reduce_limiter_norms(deferred)
+        for ps in deferred:
+            _phase2(opt, ps)
 
     def drop(self) -> None:
         """Forget every plan and state shape, and the backends' tables for the
         plans: those reach the state tensors a loaded state dict replaces."""
-        backends = {id(b): b for plan in self.plans.values() for b, _ in plan.batches}
+        backends = {id(b): b for plan in self.plans.values() for b, _ in plan.by_backend}
         for backend in backends.values():
-            if backend.capabilities.plans:
-                backend.invalidate()
+            backend.invalidate()
         self.plans = {}
         self.specs = {}
 
@@ -358,7 +344,7 @@ class Stepper:
             if spec is None:
                 shape = approx_shape(tuple(G.shape), level, group["wavelet"])
                 spec = self.specs[key] = expected_state(opt, group, shape, transformed)
-            problem = state_problem(lstate, spec, level, w, G, md if fused is not None else None)
+            problem = state_problem(lstate, spec, level, w, md if fused is not None else None)
             if problem is not None:
                 raise ValueError(f"{opt._family}: {describe(opt.param_groups, p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
@@ -377,18 +363,6 @@ class Stepper:
         if limited:
             ps.norm_sq = norm_sq if fused is not None else ps.carry.norm_sq()
         return ps
-
-    def _finish(self, opt: Any, batched: list[ParamStep], deferred: list[ParamStep], skipped: list) -> None:
-        """The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves."""
-        by_backend: dict[int, tuple[Any, list]] = {}
-        for ps in batched:
-            scale, decay = _scalars(ps.group, ps.step, ps.group["scale"] if ps.transformed else 1.0)
-            by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append((ps, scale, decay))
-        for backend, items in by_backend.values():
-            skipped.append(backend.step_many(items, LIMITER_EPS))
-        reduce_limiter_norms(deferred)
-        for ps in deferred:
-            _phase2(opt, ps)
 
 
 def _phase2(opt: Any, ps: ParamStep) -> None:

@@ -62,7 +62,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from gwt_optim.optim._backends import CAPABILITIES, pointer_problems
+from gwt_optim.optim._backends import CAPABILITIES, check_pointers
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -322,10 +322,10 @@ class _Bucket:
 
 @dataclass
 class _Planned:
-    """One bucket of a StepBatch of the optimizer's step plan."""
+    """The parameters of a Bucket (see step_buckets) that share launches."""
 
-    batch: Any  # the StepBatch (its scalars change from step to step)
-    steps: list  # its ParamSteps in this bucket
+    batch: Any  # the Bucket (its scalars and gradients change from step to step)
+    index: list[int]  # these parameters' positions in it
     level: int
     limited: bool
     kinds: tuple  # (W, G, moment) dtypes
@@ -360,12 +360,10 @@ def _env_int(name: str, default: int) -> int:
 class TritonBackend:
     """GWT-AdamW's Haar step on multi-tensor Triton kernels.
 
-    ``step_batches(batches, limiter_eps, key=...)`` runs the optimizer's
-    plans (:class:`~gwt_optim.optim._stepper.StepBatch` lists that stay the same
-    from step to step: all the batched weights for ``step()``, one for each
-    ``step_param``) and ``step_many(items, limiter_eps)`` any other set of
-    parameters, each in three launches per bucket; ``phase1``/``phase2`` split
-    the step around an external limiter (FSDP2).
+    ``step_buckets(buckets, limiter_eps, key)`` runs whole steps, three
+    launches per bucket (the optimizer's plans under their keys: all the
+    batched weights for ``step()``, one for each ``step_param``);
+    ``phase1``/``phase2`` split the step around an external limiter (FSDP2).
 
     ``chunk`` (entries of W per phase program, a power of two) and
     ``num_warps`` (of the phase kernels) default to ``$GWT_TRITON_CHUNK`` and
@@ -397,7 +395,7 @@ class TritonBackend:
         # gradient, which the limiter kernel adds to (see _count).
         self._skipped: dict[torch.device, Tensor] = {}
         self._ready: set[tuple] = set()
-        # Per plan key (see step_batches): the StepBatch list and its split into buckets.
+        # Per plan key (see step_buckets): the Bucket list and its split into launches.
         self._plans: dict[Hashable, tuple[list, list[_Planned]]] = {}
 
     # ------------------------------------------------------- selection --- #
@@ -431,71 +429,40 @@ class TritonBackend:
 
     # ----------------------------------------------------------- steps --- #
 
-    def step_batches(self, batches: list, limiter_eps: float, *, key: Hashable = None) -> tuple[Tensor, ...] | list:
-        """Whole steps of one of the optimizer's plans: a list of
-        :class:`~gwt_optim.optim._stepper.StepBatch`, the same objects on every
-        step while the plan holds (see there for what the optimizer checks).
-        ``key`` names the plan (the optimizer's step plan, or one
-        parameter's for ``step_param``); a new list under a key replaces the
-        old one.
+    def step_buckets(self, buckets: list, limiter_eps: float, key: Hashable = None) -> tuple[Tensor, ...]:
+        """Whole steps (phase 1, limiter, phase 2) of the parameters of
+        ``buckets`` (:class:`~gwt_optim.optim._backends.Bucket`): three
+        launches for the parameters of a bucket that share a device, a
+        level, dtypes and the limiter.
 
-        The split into buckets and the tables are made once per list, with
-        every check; afterwards only the gradients' addresses may change (the
-        optimizer has checked the rest), and their column of the pointer
-        table is uploaded again when they do. Returns what :meth:`step_many`
-        does.
+        Under a plan's ``key`` (the optimizer's step plan, or one parameter's
+        for ``step_param``; a new list under a key replaces the old one) the
+        split and the tables are made once per list, with every check;
+        afterwards only the gradients' addresses may change (the optimizer has
+        checked the rest), and their column of the pointer table is uploaded
+        again when they do. Without a key the tables are kept per set of
+        parameters and checked on every call.
+
+        Returns the number of parameters skipped for a non-finite gradient as
+        running counts: a tuple of 0-d int64 tensors, one per device, that
+        every step of this backend adds to (read them only when needed:
+        reading synchronizes).
         """
         cached = self._plans.get(key)
-        if cached is None or cached[0] is not batches:
-            cached = self._plans[key] = (batches, [self._plan_bucket(batch, steps) for batch in batches
-                                                   for steps in self._split(batch.steps)])
-        planned = cached[1]
-        if not planned:
-            return []
+        if cached is None or cached[0] is not buckets:
+            cached = (buckets, [self._plan_bucket(b, index, key is None) for b in buckets for index in self._split(b)])
+            if key is not None:
+                self._plans[key] = cached
         counts = []
-        for entry in planned:
+        for entry in cached[1]:
             bucket, batch = entry.bucket, entry.batch
-            grads = [ps.grad.data_ptr() for ps in entry.steps]
+            grads = [batch.grads[i].data_ptr() for i in entry.index]
             if grads != bucket.pointers[1]:
                 self._point_grads(bucket, grads)
             count = self._count(bucket.device, counts)
             hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited)
             self._launch(bucket, hyper, entry.level, entry.kinds, batch.scale, batch.decay, entry.limited,
                          limiter_eps, count)
-        return tuple(counts)
-
-    def step_many(self, items: list, limiter_eps: float) -> tuple[Tensor, ...] | list:
-        """Whole steps (phase 1, limiter, phase 2) of many parameters.
-
-        ``items`` holds ``(ps, scale, decay)``: a
-        :class:`~gwt_optim.optim._stepper.ParamStep` of a GWT-AdamW parameter,
-        ``scale`` = alpha * lr * bias correction and ``decay`` = 1 - lr *
-        weight_decay. Parameters sharing a bucket and all step scalars run in
-        one set of launches. Returns the number of parameters skipped for a
-        non-finite gradient as running counts: a tuple of 0-d int64 tensors,
-        one per device, that every step of this backend adds to (read them
-        only when needed: reading synchronizes).
-        """
-        if not items:
-            return []
-        buckets: dict[tuple, list] = {}
-        for item in items:
-            ps, scale, decay = item
-            g = ps.group
-            key = (
-                *self._bucket_key(ps), ps.step, scale, decay, tuple(g["betas"]), g["eps"], g.get("detail_clip"),
-                g["norm_growth_limit"] if ps.limited else None,
-            )
-            buckets.setdefault(key, []).append(item)
-        counts = []
-        for (device, level, wdt, gdt, mdt, limited, step, scale, decay, *_), bucket_items in buckets.items():
-            count = self._count(device, counts)
-            ps0 = bucket_items[0][0]
-            tensors = [(ps.param, ps.grad, ps.state) for ps, _, _ in bucket_items]
-            kinds = (wdt, gdt, mdt)
-            bucket = self._bucket(tuple(id(ps.param) for ps, _, _ in bucket_items), tensors, level, limited, kinds)
-            hyper = self._hyper(ps0.group, level, step, limited)
-            self._launch(bucket, hyper, level, kinds, scale, decay, limited, limiter_eps, count)
         return tuple(counts)
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
@@ -531,24 +498,28 @@ class TritonBackend:
     # --------------------------------------------------------- helpers --- #
 
     @staticmethod
-    def _bucket_key(ps) -> tuple:
-        """What parameters must share to run in one set of launches, besides scalars."""
-        return (ps.param.device, ps.level, ps.param.dtype, ps.grad.dtype, ps.state["exp_avg"].dtype, ps.limited)
+    def _bucket_key(b, i: int) -> tuple:
+        """What the parameters of a bucket must share to run in one set of launches."""
+        return (b.params[i].device, b.levels[i], b.params[i].dtype, b.grads[i].dtype, b.states[i]["exp_avg"].dtype,
+                b.limited[i])
 
-    def _split(self, steps: list) -> list[list]:
-        split: dict[tuple, list] = {}
-        for ps in steps:
-            split.setdefault(self._bucket_key(ps), []).append(ps)
+    def _split(self, b) -> list[list[int]]:
+        split: dict[tuple, list[int]] = {}
+        for i in range(len(b.params)):
+            split.setdefault(self._bucket_key(b, i), []).append(i)
         return list(split.values())
 
-    def _plan_bucket(self, batch, steps: list) -> _Planned:
-        _, level, wdt, gdt, mdt, limited = self._bucket_key(steps[0])
-        tensors = [(ps.param, ps.grad, ps.state) for ps in steps]
+    def _plan_bucket(self, b, index: list[int], unplanned: bool) -> _Planned:
+        _, level, wdt, gdt, mdt, limited = self._bucket_key(b, index[0])
+        tensors = [(b.params[i], b.grads[i], b.states[i]) for i in index]
         kinds = (wdt, gdt, mdt)
-        self._validate(tensors, level, limited, tensors[0][0].device, kinds)
-        bucket = self._new_bucket(tensors, level, limited)
-        self._point(bucket, _addresses(tensors, limited))
-        return _Planned(batch, steps, level, limited, kinds, bucket)
+        if unplanned:  # tables kept per set of parameters, checked on every call
+            bucket = self._bucket(tuple(id(w) for w, _, _ in tensors), tensors, level, limited, kinds)
+        else:
+            self._validate(tensors, level, limited, tensors[0][0].device, kinds)
+            bucket = self._new_bucket(tensors, level, limited)
+            self._point(bucket, _addresses(tensors, limited))
+        return _Planned(b, index, level, limited, kinds, bucket)
 
     def _count(self, device: torch.device, used: list[Tensor]) -> Tensor:
         """The running skip count of ``device``, added to ``used`` once."""
@@ -658,7 +629,7 @@ class TritonBackend:
         wdt, gdt, mdt = kinds
         for w, g, st in tensors:
             M, V = st["exp_avg"], st["exp_avg_sq"]
-            problems = pointer_problems(w, g, {"exp_avg": M, "exp_avg_sq": V}, level)
+            problems = []  # besides check_pointers'
             if w.device != device:
                 problems.append(f"parameter on {w.device}, not {device}")
             if M.dtype != mdt or V.dtype != mdt or mdt not in _MOMENT_KINDS:
@@ -669,9 +640,7 @@ class TritonBackend:
                 s = st.get("limiter_norm")
                 if not (isinstance(s, Tensor) and s.ndim == 0 and s.dtype == torch.float32 and s.device == device):
                     problems.append("limiter_norm is not a 0-d float32 tensor on the parameter's device")
-            if problems:
-                raise ValueError(f"GWT-AdamW (triton): cannot step a parameter of shape {tuple(w.shape)}: "
-                                 + "; ".join(problems))
+            check_pointers("triton", w, g, st, level, problems)
 
     def _tb(self, level: int) -> int:
         return max(1, self.chunk // (1 << level))
