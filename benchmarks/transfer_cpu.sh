@@ -26,12 +26,12 @@ WHOLE=gwt-adamw:level=2:scale=2
 #    reported at that lr, untuned).
 run --report-seeds 1 --gate-seeds none --contenders "adamw,$UNITS,$WHOLE" --grid adamw=2e-3 \
   --grid "$UNITS=2e-3" --grid "$WHOLE=2e-3"
-# 2. UNITS on seeds 2-4 at AdamW's setting, for the paired interval.
-run --report-seeds 1,2,3,4 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 --grid "$UNITS=2e-3"
-# 3. UNITS at its own best: lr x0.5, x1, x2 around AdamW's at the full horizon (seed 0), an edge extended,
-#    weight decay 0.1 at the best lr.
-run --report-seeds 1,2,3,4 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 \
-  --grid "$UNITS=1e-3,2e-3,4e-3" --weight-decays 0,0.1 --extend-edges 2
+# Seed 1 (2026-12-06): WHOLE ended level with AdamW (+0.001), UNITS behind it (+0.03): the late phase wants the
+# details' step doubled too. So WHOLE is the candidate recipe, and the rest of the queue is about it.
+# 2. WHOLE on seeds 2-4 at AdamW's setting, for the paired interval.
+run --report-seeds 1,2,3,4 --gate-seeds none --contenders "adamw,$WHOLE" --grid adamw=2e-3 --grid "$WHOLE=2e-3"
+# 3. UNITS on seed 2, to see whether its +0.03 on seed 1 is the seed.
+run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 --grid "$UNITS=2e-3"
 # 4. GWT-Muon (the registry's: adjust_lr_fn=match_rms_adamw) at AdamW's setting, seeds 1-3; its own best
 #    (1e-2, wd 0.1) is the budget study's (docs/results/budget-cpu.md).
 run --report-seeds 1,2,3 --gate-seeds none --contenders adamw,gwt-muon:level=2 --grid adamw=2e-3 \
