@@ -241,3 +241,36 @@ def test_adamw_units_routes_groups_takes_specs_and_refuses_muon_groups():
     new = GWTAdamW([w], lr=0.01, adamw_units=True)
     new.load_state_dict(sd)
     assert new.param_groups[0]["adamw_units"] is False
+
+
+# ------------------------ the recipe: alpha = 2^(l/2), AdamW's lr as it is --- #
+
+
+def test_gwt_param_groups_default_alpha_is_adamw_scale():
+    from gwt_optim.groups import adamw_scale, gwt_param_groups
+
+    model = torch.nn.ModuleDict({"attn": torch.nn.Linear(16, 16), "embed": torch.nn.Embedding(10, 16)})
+    for level, want in ((1, 2**0.5), (2, 2.0), (3, 2**1.5)):
+        (gwt, plain) = gwt_param_groups(model, level=level).groups
+        assert gwt["scale"] == adamw_scale(level) == pytest.approx(want) and plain["scale"] == 1.0
+    assert gwt_param_groups(model, scale=0.25).groups[0]["scale"] == 0.25  # the paper's, when asked for
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_alpha_adamw_scale_steps_a_block_constant_gradient_as_adamw(level):
+    """With alpha 2^(l/2) GWT-AdamW (the default clip) steps a gradient constant over each block exactly as
+    AdamW at the same lr (eps 0, float64): what lets AdamW's lr carry over."""
+    from gwt_optim.groups import adamw_scale
+
+    gen = torch.Generator().manual_seed(20 + level)
+    b, n = 1 << level, 64
+    w = torch.nn.Parameter(torch.zeros(6, n, dtype=torch.float64))
+    ref = torch.nn.Parameter(torch.zeros(6, n, dtype=torch.float64))
+    opt = GWTAdamW([w], lr=1e-2, eps=0.0, level=level, scale=adamw_scale(level), norm_growth_limit=None)
+    adamw = torch.optim.AdamW([ref], lr=1e-2, eps=0.0, weight_decay=0.0)
+    for _ in range(4):
+        g = torch.randn(6, n // b, generator=gen, dtype=torch.float64).repeat_interleave(b, -1)
+        w.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-12, atol=1e-14)

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ParamSplit", "split_params", "gwt_param_groups", "lr_scaled_groups", "RECIPES"]
+__all__ = ["ParamSplit", "split_params", "gwt_param_groups", "adamw_scale", "lr_scaled_groups", "RECIPES"]
 
 RECIPES = ("paper", "hidden")
 _HEAD_NAMES = ("lm_head", "output", "classifier", "score", "head")
@@ -132,13 +132,24 @@ def split_params(
     return split
 
 
+def adamw_scale(level: int) -> float:
+    """alpha = 2^(level/2): GWT's step at AdamW's size, so that AdamW's lr carries over.
+
+    The orthonormal inverse returns the approximation's update to each entry
+    of its 2^level-block at 2^(-level/2) of AdamW's per-entry update on the
+    same gradients; this factor restores it (and scales the clipped details
+    with it). Measured at level 2 (docs/results/transfer-cpu.md).
+    """
+    return 2.0 ** (level / 2)
+
+
 def gwt_param_groups(
     model: nn.Module,
     recipe: str = "paper",
     *,
     level: int = 2,
     wavelet: str = "haar",
-    scale: float = 0.25,
+    scale: float | None = None,
     norm_growth_limit: float | None = 1.01,
     target_modules: Sequence[str] = ("attn", "mlp"),
     transformed_options: dict[str, Any] | None = None,
@@ -148,6 +159,11 @@ def gwt_param_groups(
     scale ``alpha`` and the norm-growth limiter, everything else as the plain
     base optimizer (level 0, scale 1, no limiter).
 
+    ``scale=None`` (the default) is :func:`adamw_scale` of the level, 2 at
+    level 2: with it the optimizer takes AdamW's learning rate and weight
+    decay as they are (docs/algorithm.md, "Carrying AdamW's learning rate
+    over"). The paper's pre-training recipe is ``scale=0.25`` with lr 1e-2.
+
     ``transformed_options``/``regular_options`` add group keys (``lr``,
     ``weight_decay``, ...) to either side. Empty groups are left out.
     """
@@ -156,7 +172,7 @@ def gwt_param_groups(
         "params": [p for _, p in split.transformed],
         "level": level,
         "wavelet": wavelet,
-        "scale": scale,
+        "scale": adamw_scale(level) if scale is None else scale,
         "norm_growth_limit": norm_growth_limit,
         **(transformed_options or {}),
     }

@@ -152,9 +152,12 @@ def create_gwt_optimizer(
             plain or ``accelerate`` loop (then pass ``lr``).
         level, wavelet, norm_growth_limit: the GWT settings of the target
             weights. Ignored by optimizers outside the GWT family.
-        scale: the paper's module-wise ``alpha`` on the target weights (2 in
-            its GLUE recipe). Non-GWT optimizers receive it as ``lr * alpha``
-            on those weights, so use ``scale=1.0`` for a plain baseline.
+        scale: the module-wise ``alpha`` on the target weights: 2, which
+            at level 2 is :func:`gwt_optim.groups.adamw_scale` (AdamW's lr
+            carries over; at another level pass ``adamw_scale(level)``) and
+            the paper's GLUE alpha. Non-GWT optimizers receive it as
+            ``lr * alpha`` on those weights, so use ``scale=1.0`` for a
+            plain baseline.
         optimizer: a name from :data:`gwt_optim.registry.REGISTRY`
             (``"gwt-adamw"``, ``"adamw"``, ``"galore"``, ...).
         target_modules: module-name substrings to override the detection.
