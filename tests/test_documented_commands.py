@@ -594,3 +594,20 @@ def test_finetuning_md_trainer_routes_run_as_written(tmp_path, monkeypatch):
         assert torch.equal(a, b), name
     assert not torch.equal(first["model"].model.layers[0].self_attn.q_proj.weight,
                            untrained.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_readme_drop_in_block_runs_as_written_with_the_adamw_recipe():
+    """README's drop-in block, on a tiny LLaMA for its ``model = ...``: GWT's matrices get alpha 2 (AdamW's
+    lr carries over), everything else plain AdamW, and a step changes the weights."""
+    block, = [b for b in _python_blocks(ROOT / "README.md") if "gwt_param_groups(model" in b and "GWTAdamW(" in b]
+    assert "model = ...  #" in block
+    scope = {"_tiny_llama": _tiny_llama}
+    exec(block.replace("model = ...  #", "model = _tiny_llama()  #"), scope)  # noqa: S102
+    opt, model = scope["opt"], scope["model"]
+    gwt, plain = opt.param_groups
+    assert (gwt["level"], gwt["scale"], plain["level"], plain["scale"]) == (2, 2.0, 0, 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = __import__("torch").randint(0, 64, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(not b.equal(p) for b, p in zip(before, model.parameters()) if p.grad is not None)

@@ -32,8 +32,8 @@ def say_what_a_flat_list_does(family: str, params: list, group: dict) -> None:
         f"{family}: a plain list of parameters transforms all {len(mats)} tensors with two or more dimensions "
         f"({sum(p.numel() for p in mats):,} values) at level {group['level']}, embeddings and output head "
         f"included, each stepping at scale {group['scale']:g} x lr; the paper transforms only attention and MLP "
-        "weights. For its split pass gwt_optim.gwt_param_groups(model), or param groups of your own (then this "
-        "is not said)",
+        "weights. For its split, at the alpha 2^(level/2) with which AdamW's lr carries over, pass "
+        "gwt_optim.gwt_param_groups(model); or param groups of your own (then this is not said)",
         UserWarning,
         stacklevel=caller_stacklevel(),
     )

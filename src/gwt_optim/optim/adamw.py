@@ -31,7 +31,7 @@ class GWTAdamW(GWTOptimizer):
         params: parameters or param-group dicts. Groups may set ``level``,
             ``wavelet``, ``scale``, ``norm_growth_limit`` and every AdamW
             hyperparameter; :func:`gwt_optim.gwt_param_groups` builds the
-            paper's split.
+            paper's split, at the alpha with which AdamW's lr carries over.
         lr: learning rate :math:`\\eta` (default 1e-3).
         betas: :math:`(\\beta_1, \\beta_2)` (default (0.9, 0.999)).
         eps: :math:`\\epsilon` (default 1e-8, as torch; the paper used 1e-6).
