@@ -7,7 +7,8 @@
 #   bash benchmarks/transfer_cpu.sh OUT [COMMIT]
 #
 # With COMMIT it runs from a snapshot of that commit (benchmarks/_queue.sh). Save finished runs into the
-# repository as they land (the study's records also keep the AdamW runs it reports against):
+# repository as they land, then remove from the copy the runs docs/results/budget-cpu/records already holds
+# (the queue loads both folders; save copies every finished run of OUT):
 #   python benchmarks/run_records.py save OUT docs/results/transfer-cpu/records
 # EXTRA shrinks it for a rehearsal, as in benchmarks/budget_cpu.sh.
 set -uo pipefail
