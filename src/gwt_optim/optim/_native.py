@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim import _toolchain
+from gwt_optim.optim import functional as F
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, check_pointers
 
 __all__ = ["NativeBackend", "native_library"]
@@ -109,7 +110,7 @@ def _hyper(group: dict, level: int, step: int, scale: float = 0.0, decay: float 
     h = 2.0 ** (-level / 2)
     return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=scale,
                   decay=decay, clip=0.0 if clip is None else float(clip),
-                  hu=1.0 if group.get("adamw_units") else h)  # U's factor in the inverse (functional.approx_gain)
+                  hu=F.haar_u_factor(level, bool(group.get("adamw_units"))))
 
 
 def _rows(G: Tensor) -> tuple[int, int, int]:

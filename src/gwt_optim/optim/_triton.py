@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from gwt_optim.optim._backends import CAPABILITIES, check_pointers
+from gwt_optim.optim import functional as F
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -543,7 +544,7 @@ class TritonBackend:
             gamma=float(group["norm_growth_limit"]) if limited else 1.0,
             first=1.0 if step == 1 else 0.0,
             clip=math.inf if clip is None else float(clip),
-            hu=1.0 if group.get("adamw_units") else 2.0 ** (-level / 2),
+            hu=F.haar_u_factor(level, bool(group.get("adamw_units"))),
         )
 
     def _bucket(self, key: tuple, tensors: list, level: int, limited: bool, kinds: tuple) -> _Bucket:

@@ -49,7 +49,7 @@ __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor", "Moments",
     "gwt_adamw_moments", "gwt_adamw_apply", "gwt_muon_moments", "gwt_muon_apply",
     "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
-    "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "approx_gain", "match_row_rms", "apply_update",
+    "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "approx_gain", "haar_u_factor", "match_row_rms", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
     "adafactor_moments",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
@@ -175,6 +175,12 @@ def approx_gain(level: int) -> float:
     denominator), so ``detail_clip`` means the same at every level.
     """
     return 2.0 ** (level / 2)
+
+
+def haar_u_factor(level: int, adamw_units: bool) -> float:
+    """U's factor per entry in the Haar closed form, which the fused kernels take as ``hu``: the inverse's
+    h = 2^(-l/2), or h * :func:`approx_gain` = 1 with ``adamw_units``."""
+    return 1.0 if adamw_units else 2.0 ** (-level / 2)
 
 
 def match_row_rms(delta: Tensor, U: Tensor, coef) -> Tensor:
