@@ -172,7 +172,8 @@ def with_beta2(label: str, beta2: float) -> str:
 
 def with_weight_decay(label: str, wd: float | None) -> str:
     """``label`` at decoupled weight decay ``wd`` (a spec option, so every group of the run gets it); ``None``
-    leaves the spec as it is, so the runs of the lr grid keep the folders they had before the axis existed."""
+    (weight decay 0, the runs' config's) leaves the spec as it is, so runs at 0 keep the folders they had
+    before the axis existed."""
     if wd is None:
         return label
     name, opts = P.parse_spec(label)
@@ -320,7 +321,9 @@ class Budget:
 
     def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
                     rank: int = TUNE) -> dict:
-        jobs = {(b2, lr, s): P.Job(self.T, self.spec(with_beta2(label, b2), lr), lr, s)
+        at = with_weight_decay  # the grid's --weight-decay, named when it is not 0 (as wd_spec does)
+        jobs = {(b2, lr, s): P.Job(self.T, self.spec(at(with_beta2(label, b2), self.args.weight_decay or None), lr),
+                                   lr, s)
                 for b2 in beta2s for lr in lrs for s in seeds}
         return {k: self.tuner.submit(j, priority=(rank,)) for k, j in jobs.items()}
 
@@ -543,10 +546,11 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int],
             match_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
-    # The lr grid runs at --weight-decay (wds[0]); a spec names its weight decay only off that value, so
-    # the lr grid's runs keep their folders whether or not the axis is given.
+    # Every run's config has weight decay 0 and a spec names any other value, whatever --weight-decay is:
+    # so a run's folder says its weight decay, and a run at (lr, 0.1) is the same folder, reused, whether
+    # 0.1 came from --weight-decay or from the --weight-decays axis.
     def wd_spec(wd: float) -> float | None:
-        return None if wd == wds[0] else wd
+        return None if wd == 0 else wd
 
     priors = priors_of(args, grids, beta2s, wds)
     try:
@@ -1057,7 +1061,7 @@ def main(argv: list[str] | None, description: str) -> int:
         base = TrainConfig.from_dict({
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
-            "grad_clip": args.grad_clip, "weight_decay": args.weight_decay, "scale": 1.0,
+            "grad_clip": args.grad_clip, "weight_decay": 0.0, "scale": 1.0,  # weight decay: in the specs (wd_spec)
             "device": args.device, "precision": args.precision, "keep_last": 1}).validate().to_dict()
     except ValueError as exc:
         print(f"quality.py --budget: error: {exc}", file=sys.stderr)

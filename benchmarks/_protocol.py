@@ -846,7 +846,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     known = set(TrainConfig().to_dict())
     base = {**{k: v for k, v in DEMO.items() if k in known}, "device": args.device, "precision": args.precision,
-            "grad_clip": args.grad_clip, "weight_decay": args.weight_decay}
+            "grad_clip": args.grad_clip, "weight_decay": args.weight_decay,
+            "scale": 1.0}  # as every run folder has it: each spec names its alpha (run_spec)
     # The demo's tokenizer, named explicitly so reused runs match exactly.
     base["tokenizer"] = base.get("tokenizer") or ("bpe" if base.get("data", "demo") == "demo" else "t5-base")
     try:

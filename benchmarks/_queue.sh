@@ -1,8 +1,9 @@
 # The machinery of a CPU study queue (benchmarks/budget_cpu.sh, benchmarks/transfer_cpu.sh), sourced by them:
 #   SCRIPT=benchmarks/NAME.sh RECORDS="dir ..." source benchmarks/_queue.sh "$@"   # then: run ARGS...
-# OUT [COMMIT] come from the caller's arguments. With COMMIT the queue runs from a snapshot of that commit
-# (`git archive` into OUT.tree), so that editing the checkout while the queue runs (days, on 2 cores) never
-# changes the code it runs; `--commit` records it. Each run() is one `quality.py --budget --resume` call on
+# OUT [COMMIT] come from the caller's arguments. With COMMIT the queue runs the code of a snapshot of that
+# commit (`git archive` into OUT.tree), so that editing the checkout while the queue runs (days, on 2 cores)
+# never changes the code it runs; `--commit` records it. The stage list is the checkout's: its SCRIPT is copied
+# into the snapshot when the queue starts, so stages added later run on the study's code. Each run() is one `quality.py --budget --resume` call on
 # OUT at one thread per job and nice 19, so a queue stopped anywhere (a signal saves every run in flight)
 # and started again goes on where it stopped. RECORDS: folders of runs finished on earlier machines
 # (`run_records.py save`), loaded first; a run finished here wins.
@@ -15,6 +16,7 @@ if [ -n "$COMMIT" ] && [ "${GWT_BUDGET_SNAPSHOT:-}" != "$COMMIT" ]; then
   # bash reads a script as it runs it: the snapshot's own copy of the script runs the queue, not the checkout's
   TREE=$OUT.tree
   rm -rf "$TREE" && mkdir -p "$TREE" && git -C "$ROOT" archive "$COMMIT" | tar -x -C "$TREE" || exit 2
+  cp "$ROOT/$SCRIPT" "$TREE/$SCRIPT" || exit 2
   GWT_BUDGET_SNAPSHOT=$COMMIT PYTHONPATH=$TREE/src exec bash "$TREE/$SCRIPT" "$OUT" "$COMMIT"
 fi
 cd "$ROOT" || exit 2

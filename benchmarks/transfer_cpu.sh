@@ -31,9 +31,16 @@ run --report-seeds 1 --gate-seeds none --contenders "adamw,$UNITS,$WHOLE" --grid
 # details' step doubled too. So WHOLE is the candidate recipe, and the rest of the queue is about it.
 # 2. WHOLE on seeds 2-4 at AdamW's setting, for the paired interval.
 run --report-seeds 1,2,3,4 --gate-seeds none --contenders "adamw,$WHOLE" --grid adamw=2e-3 --grid "$WHOLE=2e-3"
-# 3. UNITS on seed 2, to see whether its +0.03 on seed 1 is the seed.
+# 3. GWT-Muon (the registry's: adjust_lr_fn=match_rms_adamw) with the recipe's alpha 2 (as gwt_param_groups and
+#    the toolkit give it) at AdamW's setting, seeds 1-3; its own best (1e-2 at alpha 1, wd 0.1) is the budget
+#    study's (docs/results/budget-cpu.md).
+MUON=gwt-muon:level=2:scale=2
+run --report-seeds 1,2,3 --gate-seeds none --contenders "adamw,$MUON" --grid adamw=2e-3 --grid "$MUON=2e-3"
+# 4. UNITS on seed 2, to see whether its +0.03 on seed 1 is the seed.
 run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 --grid "$UNITS=2e-3"
-# 4. GWT-Muon (the registry's: adjust_lr_fn=match_rms_adamw) at AdamW's setting, seeds 1-3; its own best
-#    (1e-2, wd 0.1) is the budget study's (docs/results/budget-cpu.md).
-run --report-seeds 1,2,3 --gate-seeds none --contenders adamw,gwt-muon:level=2 --grid adamw=2e-3 \
-  --grid gwt-muon:level=2=2e-3
+# 5. "Keep your AdamW weight decay" where it is not 0: AdamW and WHOLE at (2e-3, 0.1), seeds 1-3. The weight decay
+#    is in the labels, so these runs' folders differ from the runs at 0 on the snapshot's code too.
+ADAMW_WD=adamw:weight_decay=0.1
+WHOLE_WD=$WHOLE:weight_decay=0.1
+run --report-seeds 1,2,3 --gate-seeds none --contenders "adamw,$ADAMW_WD,$WHOLE_WD" --grid adamw=2e-3 \
+  --grid "$ADAMW_WD=2e-3" --grid "$WHOLE_WD=2e-3"

@@ -157,8 +157,8 @@ COMMANDS: dict[str, str] = {
         'relative_step=false,gwt-adafactor:level=2:relative_step=false:detail_norm=second_moment,'
         'gwt-adafactor:level=2:relative_step=false" --out {tmp}/adafactor',
     # docs/finetuning.md
-    "gwt-optim finetune glue --tasks all --model roberta-base --methods adamw:scale=1,gwt-adamw:level=2 --lr 1e-5 "
-    "--scale 2 --batch-size 16 --max-length 512 --epochs 3":
+    "gwt-optim finetune glue --tasks all --model roberta-base --methods adamw,gwt-adamw:level=2 --lr 1e-5 "
+    "--batch-size 16 --max-length 512 --epochs 3":
         "skip: roberta-base and nyu-mll/glue come from the Hub (the suite runs offline); the offline form runs",
     "gwt-optim finetune glue --tasks cola,stsb,mnli --model path/to/encoder --data-dir path/to/glue":
         "slow: gwt-optim finetune glue --tasks cola,stsb,mnli --model {tiny_roberta} --data-dir {glue_data} "

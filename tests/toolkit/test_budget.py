@@ -374,7 +374,7 @@ def test_a_best_lr_on_an_edge_extends_the_grid_past_it():
 
     def tune(best, extend):
         b = object.__new__(B.Budget)
-        b.args, b.T, b.R, b.tuner = SimpleNamespace(extend_edges=extend), 128, 3e-3, Pool(best)
+        b.args, b.T, b.R, b.tuner = SimpleNamespace(extend_edges=extend, weight_decay=0.0), 128, 3e-3, Pool(best)
         return b.tune("adamw", [1e-3, 2e-3, 4e-3], [0.999], [0]), b.tuner.ran
 
     t, ran = tune(9e-3, 2)  # past the top edge: one more lr (8e-3), then 1.6e-2 shows that 8e-3 is inside
@@ -416,7 +416,7 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
 
     b = object.__new__(B.Budget)
     b.T, b.R, b.tuner, b.reporter, match = 128, 3e-3, Stage("tune"), Stage("report"), Stage("match")
-    b.args = SimpleNamespace(report_seeds="1,2,3,4")
+    b.args = SimpleNamespace(report_seeds="1,2,3,4", weight_decay=0.0)
     with ThreadPoolExecutor(3) as stages:  # each waits for its own runs, as _stages's threads do
         calls = [stages.submit(b.report, "adamw", 2e-3, 0.999, [1, 2, 3, 4]),
                  stages.submit(b.report, "gwt-adamw:level=2", 6e-3, 0.999, [1, 2, 3, 4]),
@@ -431,7 +431,7 @@ def test_waiting_runs_start_tuning_first_then_seed_by_seed_then_the_match_runs(t
                        + [("match", 1), ("match", 2), ("report", 4), ("report", 4)])
 
 
-def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
+def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wds=(0.0, 0.1)):
     """Stages 1-3 of a small study (AdamW, GWT-AdamW and the contenders ``more``, lrs 1e-3/2e-3/4e-3, weight
     decays 0 and 0.1, reporting seeds 1-2, frozen runs on ``gate_seeds``) on one held worker, with
     ``--prior-best`` ``priors``: (the report, the runs in the order they started, and in the order they were
@@ -471,10 +471,10 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
     b = object.__new__(B.Budget)
     b.T, b.R, b.tuner, b.reporter, b.matchers = 128, 3e-3, Stage("tune"), Stage("report"), {}
     b.args = args = SimpleNamespace(beta2=0.999, tune_only=False, extend_edges=0, prior_best=priors,
-                                    report_seeds="1,2")
+                                    report_seeds="1,2", weight_decay=wds[0])
     grids = {c: [1e-3, 2e-3, 4e-3] for c in ("adamw", "gwt-adamw:level=2", *more)}
     out = {"contenders": {}}
-    study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], [0.0, 0.1], [0], [1, 2],
+    study = threading.Thread(target=B._stages, args=(args, b, out, grids, [0.999], list(wds), [0], [1, 2],
                                                      list(gate_seeds), []))
     study.start()
     from _waiting import wait_for
@@ -486,6 +486,18 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=()):
     assert not study.is_alive() and held.result()
     pool.shutdown()
     return out, started, submitted
+
+
+def test_a_run_names_any_nonzero_weight_decay_so_a_grid_at_0_1_never_takes_the_folders_of_one_at_0(tmp_path):
+    """With the lr grid at weight decay 0.1 (--weight-decay 0.1 --weight-decays 0.1) every run's spec names it,
+    the spec the weight-decay axis gives a run at 0.1: the folders differ from the runs at 0 and equal the
+    axis's, whose runs are then reused rather than moved aside."""
+    _, started, _ = _study(tmp_path, [], wds=[0.1])
+    assert started and all("weight_decay=0.1" in spec for _, spec, _, _ in started)
+    _, axis, _ = _study(tmp_path, [], wds=[0.0, 0.1])
+    at_0_1 = {spec for _, spec, _, _ in axis if "weight_decay" in spec}
+    assert at_0_1 and at_0_1 <= {spec for _, spec, _, _ in started}
+    assert all(B.with_weight_decay(spec, None) == spec for _, spec, _, _ in axis if "weight_decay" not in spec)
 
 
 def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_it(tmp_path):

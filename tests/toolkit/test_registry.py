@@ -105,3 +105,53 @@ def test_a_spec_eps_changes_the_matrices_only_under_regular_lr():
     opt = _build("gwt-adamw:level=2:eps=1e-6", model, lr=1e-3, eps=1e-8, regular_lr=1e-3)
     eps = {g["level"]: g["eps"] for g in opt.param_groups}
     assert eps == {2: 1e-6, 0: 1e-8}
+
+
+# ------------- the recipe: scale None gives every entry AdamW's lr units (issue 46) ------------- #
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("gwt-adamw:level=1", 2**0.5), ("gwt-adamw", 2.0), ("gwt-adamw:level=3", 2**1.5), ("gwt-muon:level=2", 2.0),
+    ("gwt-adam-mini:level=2", 2.0), ("gwt-adafactor:level=3", 2**1.5), ("adamw", 1.0), ("muon", 1.0),
+    ("galore:rank=8", 1.0), ("adam-mini", 1.0),
+])
+def test_recipe_scale_is_adamw_scale_for_a_gwt_family_and_1_otherwise(spec, want):
+    from gwt_optim.groups import adamw_scale
+    from gwt_optim.toolkit.registry import recipe_scale
+
+    name, opts = parse_optimizer_arg(spec)
+    assert recipe_scale(name, opts) == pytest.approx(want)
+    if name.startswith("gwt-"):
+        assert recipe_scale(name, opts) == adamw_scale(opts.get("level", 2))
+
+
+def test_build_optimizer_applies_the_recipe_unless_a_scale_is_given():
+    model = _model()
+    matrices = {id(p) for _, p in split_params(model, "paper").transformed}
+
+    def transformed(opt):
+        return next(g for g in opt.param_groups if any(id(p) in matrices for p in g["params"]))
+
+    assert transformed(_build("gwt-adamw:level=3", model, lr=1e-3))["scale"] == pytest.approx(2**1.5)
+    assert transformed(_build("adamw", model, lr=1e-3))["lr"] == 1e-3  # AdamW at alpha 1: its lr as it is
+    assert transformed(_build("gwt-adamw", model, lr=1e-3, scale=1.0))["scale"] == 1.0
+    assert transformed(_build("gwt-adamw:scale=0.25", model, lr=1e-3))["scale"] == 0.25
+    assert transformed(_build("adamw", model, lr=1e-3, scale=0.5))["lr"] == pytest.approx(5e-4)
+
+
+def test_every_toolkit_command_defaults_to_the_recipe():
+    """pretrain, compare, finetune lm and finetune glue leave alpha to the recipe, and a pretrain run records the
+    alpha it resolved to."""
+    from gwt_optim.toolkit.finetune.glue_train import GlueSettings
+    from gwt_optim.toolkit.finetune.lm_train import LMSettings
+    from gwt_optim.toolkit.recipes import DEMO
+    from gwt_optim.toolkit.train import TrainConfig, build_optimizer_for
+
+    assert TrainConfig().scale is None and DEMO["scale"] is None
+    assert LMSettings().scale is None and GlueSettings().scale is None
+    model = _model()
+    for spec, want in (("gwt-adamw:level=2", 2.0), ("adamw", 1.0), ("gwt-muon:level=1", 2**0.5)):
+        _, resolved = build_optimizer_for(model, TrainConfig(optimizer=spec).validate())
+        assert resolved["scale"] == pytest.approx(want), spec
+    _, resolved = build_optimizer_for(model, TrainConfig(optimizer="gwt-adamw", scale=1.0).validate())
+    assert resolved["scale"] == 1.0

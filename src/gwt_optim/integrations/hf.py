@@ -5,7 +5,7 @@ Two equivalent ways to fine-tune any ``transformers`` model with GWT::
     from gwt_optim.integrations import create_gwt_optimizer, gwt_optimizer_cls_and_kwargs
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      optimizers=create_gwt_optimizer(model, args, level=2, scale=2.0))
+                      optimizers=create_gwt_optimizer(model, args, level=2))
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizer_cls_and_kwargs=gwt_optimizer_cls_and_kwargs(model, args, level=2))
@@ -132,7 +132,7 @@ def create_gwt_optimizer(
     args: Any = None,
     *,
     level: int = 2,
-    scale: float = 2.0,
+    scale: float | None = None,
     wavelet: str = "haar",
     optimizer: str = "gwt-adamw",
     target_modules: Sequence[str] | None = None,
@@ -152,12 +152,13 @@ def create_gwt_optimizer(
             plain or ``accelerate`` loop (then pass ``lr``).
         level, wavelet, norm_growth_limit: the GWT settings of the target
             weights. Ignored by optimizers outside the GWT family.
-        scale: the module-wise ``alpha`` on the target weights: 2, which
-            at level 2 is :func:`gwt_optim.groups.adamw_scale` (AdamW's lr
-            carries over; at another level pass ``adamw_scale(level)``) and
-            the paper's GLUE alpha. Non-GWT optimizers receive it as
-            ``lr * alpha`` on those weights, so use ``scale=1.0`` for a
-            plain baseline.
+        scale: the module-wise ``alpha`` on the target weights. None (the
+            default) is the recipe that keeps AdamW's lr and weight decay
+            (:func:`gwt_optim.registry.recipe_scale`): for a GWT family
+            :func:`gwt_optim.groups.adamw_scale` of ``level``, 2 at level 2
+            (also the paper's GLUE alpha), and 1 for any other optimizer.
+            A number applies to every optimizer alike; non-GWT optimizers
+            receive it as ``lr * alpha`` on those weights.
         optimizer: a name from :data:`gwt_optim.registry.REGISTRY`
             (``"gwt-adamw"``, ``"adamw"``, ``"galore"``, ...).
         target_modules: module-name substrings to override the detection.
@@ -231,7 +232,7 @@ def gwt_optimizer_cls_and_kwargs(
     args: Any = None,
     *,
     level: int = 2,
-    scale: float = 2.0,
+    scale: float | None = None,
     wavelet: str = "haar",
     target_modules: Sequence[str] | None = None,
     norm_growth_limit: float | None = 1.01,

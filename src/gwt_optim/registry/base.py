@@ -21,6 +21,7 @@ __all__ = [
     "MissingDependency",
     "register",
     "build_optimizer",
+    "recipe_scale",
     "parse_optimizer_arg",
     "split_spec",
     "format_spec",
@@ -54,7 +55,9 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    scale: float = 1.0  # module-wise alpha on the chosen weights (paper: 0.25 for GWT)
+    # Module-wise alpha on the chosen weights. None: the recipe (recipe_scale), with which every entry
+    # takes AdamW's lr; a number applies to every entry alike (1: the fair view; the paper: 0.25 for GWT).
+    scale: float | None = None
     recipe: str = "paper"
     target_modules: tuple[str, ...] = ("attn", "mlp")
     # Matrix-only fairness (benchmarks/quality.py): the lr of every parameter
@@ -238,6 +241,20 @@ def validate_optimizer_spec(text: str) -> None:
         raise ValueError(problem)
 
 
+def recipe_scale(name: str, options: dict[str, Any] | None = None) -> float:
+    """The alpha of the recipe "keep your AdamW lr and weight decay" for registry entry ``name``:
+    :func:`gwt_optim.groups.adamw_scale` of the level for a GWT family (every entry with a ``level``
+    option), 1 for any other optimizer, whose update is already at AdamW's size."""
+    from gwt_optim.groups import adamw_scale
+
+    if name not in REGISTRY:
+        raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    defaults = REGISTRY[name].defaults
+    if "level" not in defaults:
+        return 1.0
+    return adamw_scale(int({**defaults, **(options or {})}["level"]))
+
+
 def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     if name not in REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
@@ -255,6 +272,8 @@ def build_optimizer(name: str, model: nn.Module, config: OptimizerConfig) -> tor
     for key in SHARED_OPTIONS:
         if key in cfg.options and key not in ("beta1", "beta2"):  # name:lr=... overrides the shared value
             setattr(cfg, key, cfg.options.pop(key))
+    if cfg.scale is None:
+        cfg.scale = recipe_scale(name, cfg.options)
     opt = spec.factory(model, cfg)
     if cfg.options:  # a declared option its factory forgot to read: a bug here, not the user's
         raise RuntimeError(f"registry entry {name!r} ignored its option(s) {sorted(cfg.options)}")

@@ -86,7 +86,9 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--lr", type=float, default=S, help="peak learning rate; 'name:lr=...' overrides it per "
                    f"optimizer {default('lr')}")
     g.add_argument("--scale", "--alpha", dest="scale", type=float, default=S,
-                   help=f"module-wise alpha on attention/MLP weights, for every optimizer {default('scale')}")
+                   help="module-wise alpha on attention/MLP weights, for every optimizer "
+                   + default("scale", "the recipe: 2^(l/2) for a GWT family at level l, 1 for any other optimizer, "
+                             "so that every optimizer takes AdamW's lr"))
     g.add_argument("--weight-decay", type=float, default=S,
                    help=f"decoupled weight decay {default('weight_decay')}")
     g.add_argument("--recipe", choices=("paper", "hidden"), default=S,

@@ -110,7 +110,7 @@ class TrainConfig:
     pretrained: bool = False  # load the weights of a local model directory
     optimizer: str = "adamw"  # "name" or "name:key=value:..."
     lr: float = 1e-3
-    scale: float = 1.0  # module-wise alpha on attention/MLP weights
+    scale: float | None = None  # module-wise alpha on attention/MLP weights; None: the recipe (registry.recipe_scale)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -172,6 +172,8 @@ class TrainConfig:
 
         for name in ("lr", "scale", "weight_decay", "eps"):
             minimum, strict = SHARED_BOUNDS[name]
+            if name == "scale" and self.scale is None:
+                continue
             number(name, getattr(self, name), minimum=minimum, integer=False, strict=strict)
         number("warmup", self.warmup, minimum=0, integer=False)
         if isinstance(self.optimizer, str):
@@ -371,11 +373,12 @@ def _ppl(loss: float) -> float:
 
 def build_optimizer_for(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
     """The optimizer of ``cfg.optimizer`` and what it resolved to (name, lr, alpha, options)."""
-    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg, recipe_scale
 
     name, opts = parse_optimizer_arg(cfg.optimizer)
-    resolved = {"name": name, "lr": opts.get("lr", cfg.lr), "scale": opts.get("scale", cfg.scale),
-                "options": dict(opts)}
+    scale = opts.get("scale", cfg.scale)
+    resolved = {"name": name, "lr": opts.get("lr", cfg.lr),
+                "scale": recipe_scale(name, opts) if scale is None else scale, "options": dict(opts)}
     ocfg = OptimizerConfig(
         lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps, scale=cfg.scale,
         recipe=cfg.recipe, options=opts,

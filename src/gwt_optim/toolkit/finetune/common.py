@@ -381,5 +381,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([fmt(cells[0]), sep, *(fmt(r) for r in cells[1:])]) + "\n"
 
 
+# --scale of the finetune commands, whose default None is the recipe (gwt_optim.registry.recipe_scale).
+SCALE_HELP = ("module-wise alpha on the target layers, for every method (default: the recipe: 2^(l/2) for a "
+              "GWT family at level l, 1 for any other method, so that every method takes AdamW's lr)")
+
+
+def alpha_phrase(scale: float | None) -> str:
+    """How a report names the module-wise alpha of its runs."""
+    if scale is None:
+        return "module-wise alpha of the recipe (2^(l/2) for GWT at level l, 1 otherwise)"
+    return f"module-wise alpha {scale:g} for every method"
+
+
 def mib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"

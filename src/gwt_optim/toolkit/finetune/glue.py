@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 
-from gwt_optim.toolkit.finetune.common import add_run_arguments, isolate_choice
+from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice
 from gwt_optim.toolkit.finetune.glue_data import load_glue
 from gwt_optim.toolkit.finetune.glue_metrics import (
     METRICS,
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", dest="tasks", help=argparse.SUPPRESS)
     p.add_argument(
         "--methods",
-        default="adamw:scale=1,gwt-adamw:level=2",
+        default="adamw,gwt-adamw:level=2",
         help="comma-separated registry optimizers with options (name:key=value), or lora:r=8",
     )
     p.add_argument("--model", default=d.model, help="hub id or local directory of a pretrained encoder")
@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local GLUE data: DIR/<task>/<split>.jsonl|.tsv (default: the Hub's nyu-mll/glue)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every method (after the warm-up it "
                    "decays linearly)")
-    p.add_argument("--scale", type=float, default=d.scale, help="module-wise alpha on the target layers")
+    p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="training sequences per optimizer step")
     p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example; longer ones are cut")
     p.add_argument("--epochs", type=float, default=d.epochs, help="passes over each task's training set")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from gwt_optim.toolkit.finetune.common import markdown_table, mib
+from gwt_optim.toolkit.finetune.common import alpha_phrase, markdown_table, mib
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, task_cell
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def glue_report(records: list[dict], tasks: Sequence[str], methods: Sequence[str
     kind = records[0]["peak_memory_kind"] if records else "Peak memory"
     return (
         f"## GLUE fine-tuning ({settings.model})\n\n"
-        f"lr {settings.lr:g}, module-wise alpha {settings.scale:g}, batch {settings.batch_size}, "
+        f"lr {settings.lr:g}, {alpha_phrase(settings.scale)}, batch {settings.batch_size}, "
         f"max length {settings.max_length}, "
         + (f"{settings.max_steps} steps" if settings.max_steps > 0 else f"{settings.epochs:g} epochs")
         + f", seed {settings.seed}. Scores in percent ({metric_note}); Avg is the mean of the per-task means.\n\n"

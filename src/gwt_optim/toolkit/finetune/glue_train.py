@@ -38,7 +38,7 @@ class GlueSettings:
     model: str = "roberta-base"
     data_dir: str | None = None
     lr: float = 1e-5
-    scale: float = 2.0
+    scale: float | None = None  # None: each method at the recipe's alpha (registry.recipe_scale)
     batch_size: int = 16
     max_length: int = 512
     epochs: float = 3.0

@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 
 from gwt_optim.toolkit.data import pack_texts
-from gwt_optim.toolkit.finetune.common import add_run_arguments, isolate_choice
+from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice
 from gwt_optim.toolkit.finetune.lm_data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches,
                    help="validation batches of --batch-size sequences each")
-    p.add_argument("--scale", type=float, default=d.scale, help="module-wise alpha on the target layers, for every method")
+    p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
     p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of --steps if < 1")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from gwt_optim.toolkit.finetune.common import markdown_table, mib
+from gwt_optim.toolkit.finetune.common import alpha_phrase, markdown_table, mib
 
 __all__ = ["best_runs", "lm_report"]
 
@@ -84,7 +84,7 @@ def lm_report(results: dict, methods: Sequence[str]) -> str:
         f"## Causal-LM fine-tuning: {results['model']}\n\n"
         f"Data `{s['data']}` ({results['data']['format']}), {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
         f"tokens, cosine schedule with {s['warmup']:g} warm-up, grad-norm clip {s['max_grad_norm']}, "
-        f"module-wise alpha {s['scale']:g} for every method, fp32{' with TF32 matmuls' if s.get('tf32') else ''}; validation: {results['data']['val_targets']:,} target "
+        f"{alpha_phrase(s.get('scale'))}, fp32{' with TF32 matmuls' if s.get('tf32') else ''}; validation: {results['data']['val_targets']:,} target "
         f"tokens. Learning rate chosen per method from {', '.join(f'{x:g}' for x in lrs)} by validation perplexity. "
         f"Hardware: {hw}; commit {env.get('git_commit') or 'unknown'}.\n\n"
         + markdown_table(header, rows)

@@ -72,7 +72,7 @@ class LMSettings:
     steps: int = 10
     eval_batches: int = 8
     lrs: tuple[float, ...] = (1e-4, 3e-4)
-    scale: float = 1.0
+    scale: float | None = None  # None: each method at the recipe's alpha (registry.recipe_scale)
     # GWT's first steps have heavy-tailed detail updates (docs/finetuning.md):
     # short runs need a warm-up of several steps.
     warmup: float = 0.3
