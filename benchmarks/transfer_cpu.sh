@@ -44,3 +44,9 @@ ADAMW_WD=adamw:weight_decay=0.1
 WHOLE_WD=$WHOLE:weight_decay=0.1
 run --report-seeds 1,2,3 --gate-seeds none --contenders "adamw,$ADAMW_WD,$WHOLE_WD" --grid adamw=2e-3 \
   --grid "$ADAMW_WD=2e-3" --grid "$WHOLE_WD=2e-3"
+# 6. The rule at levels 1 and 3 (alpha 2^(l/2) = 1.414 and 2.828, to four digits), at AdamW's setting, seeds 1-2:
+#    by the synthetic limits (update_rms.py) the details' step grows with the level, so level 3 may want less.
+L1=gwt-adamw:level=1:scale=1.414
+L3=gwt-adamw:level=3:scale=2.828
+run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$L1,$L3" --grid adamw=2e-3 --grid "$L1=2e-3" \
+  --grid "$L3=2e-3"

@@ -435,7 +435,7 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wd
     """Stages 1-3 of a small study (AdamW, GWT-AdamW and the contenders ``more``, lrs 1e-3/2e-3/4e-3, weight
     decays 0 and 0.1, reporting seeds 1-2, frozen runs on ``gate_seeds``) on one held worker, with
     ``--prior-best`` ``priors``: (the report, the runs in the order they started, and in the order they were
-    submitted). A run's loss is least at lr 2e-3 and weight decay 0."""
+    submitted, and the queueing and starts interleaved). A run's loss is least at lr 2e-3 and weight decay 0."""
     import math
     import threading
     from types import SimpleNamespace
@@ -443,6 +443,7 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wd
     from gwt_optim.toolkit.runner import PriorityPool
 
     pool, gate, started, submitted, futs = PriorityPool(1), threading.Event(), [], [], {}
+    events = []  # ("queued" | "started", (stage, spec, lr, seed)) in the order they happened
     held = pool.submit(gate.wait)
 
     class Stage:  # a runner of one stage on the shared pool; a run queued twice is queued once, as Runner does
@@ -452,6 +453,7 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wd
         def submit(self, job, priority):
             def run():
                 started.append((self.name, job.spec.split("@")[0], job.lr, job.seed))
+                events.append(("started", (self.name, job.spec, job.lr, job.seed)))
                 if self.name == "tune" and not tuning_finished:
                     return {"val_loss": float("nan"), "status": "missing"}
                 decayed = "weight_decay" in job.spec
@@ -459,6 +461,7 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wd
             key = (self.name, job.spec, job.lr, job.seed)
             if key not in futs:
                 submitted.append((self.name, job.spec.split(":")[0], job.lr, job.seed))
+                events.append(("queued", key))
                 futs[key] = pool.submit(run, priority=priority)
             return futs[key]
 
@@ -485,16 +488,16 @@ def _study(tmp_path, priors, *, tuning_finished=True, more=(), gate_seeds=(), wd
     study.join(60)
     assert not study.is_alive() and held.result()
     pool.shutdown()
-    return out, started, submitted
+    return out, started, submitted, events
 
 
 def test_a_run_names_any_nonzero_weight_decay_so_a_grid_at_0_1_never_takes_the_folders_of_one_at_0(tmp_path):
     """With the lr grid at weight decay 0.1 (--weight-decay 0.1 --weight-decays 0.1) every run's spec names it,
     the spec the weight-decay axis gives a run at 0.1: the folders differ from the runs at 0 and equal the
     axis's, whose runs are then reused rather than moved aside."""
-    _, started, _ = _study(tmp_path, [], wds=[0.1])
+    _, started, _, _ = _study(tmp_path, [], wds=[0.1])
     assert started and all("weight_decay=0.1" in spec for _, spec, _, _ in started)
-    _, axis, _ = _study(tmp_path, [], wds=[0.0, 0.1])
+    _, axis, _, _ = _study(tmp_path, [], wds=[0.0, 0.1])
     at_0_1 = {spec for _, spec, _, _ in axis if "weight_decay" in spec}
     assert at_0_1 and at_0_1 <= {spec for _, spec, _, _ in started}
     assert all(B.with_weight_decay(spec, None) == spec for _, spec, _, _ in axis if "weight_decay" not in spec)
@@ -510,7 +513,7 @@ def test_a_prior_best_runs_the_reporting_seeds_first_and_the_tuning_re_decides_i
                     [0.0, 0.1])
     with pytest.raises(ValueError, match="beta2"):
         B.priors_of(SimpleNamespace(prior_best=["adamw=1e-3"], beta2=None), {"adamw": [1e-3]}, [0.999], [0.0])
-    out, started, submitted = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"])
+    out, started, submitted, _ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"])
     first = [(stage, spec.split(":")[0], lr, seed) for stage, spec, lr, seed in started[:4]]
     assert first == submitted[:4] == [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1),
                                       ("report", "adamw", 2e-3, 2), ("report", "gwt-adamw", 4e-3, 2)]
@@ -543,7 +546,8 @@ def test_a_prior_best_is_re_tuned_last_and_adamws_frozen_run_goes_ahead_at_it(tm
     """The tuning that re-decides a --prior-best repeats figures an earlier tuning measured: a contender without
     a prior tunes and reports first, and gate (b)'s frozen run, which pairs with AdamW's best, runs at AdamW's
     prior best instead of waiting for AdamW's re-tuning (agreeing, it is the same run)."""
-    out, started, _ = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], more=["muon"], gate_seeds=[1])
+    out, started, _, events = _study(tmp_path, ["adamw=2e-3", "gwt-adamw:level=2=4e-3,0.1"], more=["muon"],
+                                     gate_seeds=[1])
     prior = [("report", "adamw", 2e-3, 1), ("report", "gwt-adamw", 4e-3, 1), ("report", "adamw", 2e-3, 2),
              ("report", "gwt-adamw", 4e-3, 2)]
     name = [(stage, spec.split(":")[0], lr, seed) for stage, spec, lr, seed in started]
@@ -551,7 +555,18 @@ def test_a_prior_best_is_re_tuned_last_and_adamws_frozen_run_goes_ahead_at_it(tm
     assert name[4:7] == [("tune", "muon", lr, 0) for lr in (1e-3, 2e-3, 4e-3)]
     retune = [i for i, (stage, n, *_) in enumerate(name) if stage == "tune" and n != "muon"]
     muon = [i for i, (_, n, *_) in enumerate(name) if n == "muon"]
-    assert len(retune) == 8 and len(muon) == 6 and max(muon) < min(retune)  # 3 lrs and 1 weight decay each
+    assert len(retune) == 8 and len(muon) == 6  # 3 lrs and 1 weight decay each
+    # No re-tuning run starts while a run of muon waits in the queue. (Which goes first when a muon run is
+    # submitted only as the last one finishes is a race with the one worker here, where a run takes no time;
+    # the queue's order is what the study decides.)
+    waiting = set()
+    for kind, (stage, spec, lr, seed) in events:
+        if kind == "queued":
+            waiting.add((stage, spec, lr, seed))
+            continue
+        waiting.discard((stage, spec, lr, seed))
+        if stage == "tune" and not spec.startswith("muon"):
+            assert not any(w[1].startswith("muon") for w in waiting), (spec, lr, sorted(waiting))
     assert name.count(("report", "adamw", B.FROZEN_LR, 1)) == 1 < name.index(("report", "adamw", B.FROZEN_LR, 1)) \
         < min(retune) and out["frozen"]["runs"][0]["val_loss"] > 2.5
     C = out["contenders"]
