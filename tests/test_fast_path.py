@@ -316,18 +316,21 @@ def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
         assert torch.equal(opt.state[W][key], before[1][key])
 
 
-def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch):
+@pytest.mark.parametrize("level, scale", [(2, 0.25), (1, 2**0.5), (3, 2**1.5)])  # the recipe's alpha at l = 1, 3
+def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch, level, scale):
     # FSDP2 parameters run phase 1, then wait for the all-reduce of every
     # parameter's limiter norm, then phase 2 (each with its own workspace).
+    # Bit for bit, also at an alpha that is not a power of two.
     _native_or_skip()
+    # float64, where one ulp of the step size shows in the weights
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
-    x = torch.randn(16, 24)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24)).double()
+    x = torch.randn(16, 24, dtype=torch.float64)
 
     def train(batched, defer):
-        m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+        m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24)).double()
         m.load_state_dict(model.state_dict())
-        opt = GWTAdamW(m.parameters(), lr=1e-2, level=2, compile=True)
+        opt = GWTAdamW(m.parameters(), lr=3e-3, level=level, scale=scale, compile=True)
         with monkeypatch.context() as mp:
             caps = _fused.NativeBackend.capabilities
             mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))

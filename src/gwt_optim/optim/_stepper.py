@@ -375,9 +375,10 @@ def _phase2(opt: Any, ps: ParamStep) -> None:
         opt._apply(group, ps.param, ps.carry, r, ps.step)
         return
     lr = group_lr(group)
-    step_size = lr * adam_step_factor(ps.step, *group["betas"])
-    scale = group["scale"] if ps.transformed else 1.0
-    ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r, scale * step_size, 1 - lr * group["weight_decay"])
+    alpha = group["scale"] if ps.transformed else 1.0
+    # (alpha * lr) * c_t, as _launch's batched steps: the same bits at an alpha that is not a power of two
+    step_size = alpha * lr * adam_step_factor(ps.step, *group["betas"])
+    ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r, step_size, 1 - lr * group["weight_decay"])
 
 
 def _needs_collective(ps: ParamStep) -> bool:
