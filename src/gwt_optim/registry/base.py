@@ -55,8 +55,8 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    # Module-wise alpha on the chosen weights. None: the recipe (recipe_scale), with which every entry
-    # takes AdamW's lr; a number applies to every entry alike (1: the fair view; the paper: 0.25 for GWT).
+    # Module-wise alpha on the chosen weights. None: the recipe (recipe_scale), with which GWT-AdamW takes
+    # AdamW's lr; a number applies to every entry alike (1: the fair view; the paper: 0.25 for GWT).
     scale: float | None = None
     recipe: str = "paper"
     target_modules: tuple[str, ...] = ("attn", "mlp")
@@ -244,7 +244,9 @@ def validate_optimizer_spec(text: str) -> None:
 def recipe_scale(name: str, options: dict[str, Any] | None = None) -> float:
     """The alpha of the recipe "keep your AdamW lr and weight decay" for registry entry ``name``:
     :func:`gwt_optim.groups.adamw_scale` of the level for a GWT family (every entry with a ``level``
-    option), 1 for any other optimizer, whose update is already at AdamW's size."""
+    option), 1 for any other optimizer, whose update is already at AdamW's size. Measured for GWT-AdamW
+    (docs/results/transfer-cpu.md); GWT-Muon, whose step's size Newton-Schulz sets, does not take AdamW's lr
+    with it (nor with 1: its tuned lr is 5x AdamW's at alpha 1)."""
     from gwt_optim.groups import adamw_scale
 
     if name not in REGISTRY:

@@ -383,7 +383,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 # --scale of the finetune commands, whose default None is the recipe (gwt_optim.registry.recipe_scale).
 SCALE_HELP = ("module-wise alpha on the target layers, for every method (default: the recipe: 2^(l/2) for a "
-              "GWT family at level l, 1 for any other method, so that every method takes AdamW's lr)")
+              "GWT family at level l, 1 for any other method; with it GWT-AdamW takes AdamW's lr, GWT-Muon "
+              "does not)")
 
 
 def alpha_phrase(scale: float | None) -> str:
