@@ -170,6 +170,13 @@ def with_beta2(label: str, beta2: float) -> str:
     return P.format_spec(name, opts)
 
 
+def wd_spec(wd: float) -> float | None:
+    """The weight decay a run's spec names: every run's config has weight decay 0, and a spec names any other
+    value, whatever --weight-decay is. So a run's folder says its weight decay, and a run at (lr, 0.1) is the
+    same folder, reused, whether 0.1 came from --weight-decay or from the --weight-decays axis."""
+    return None if wd == 0 else wd
+
+
 def with_weight_decay(label: str, wd: float | None) -> str:
     """``label`` at decoupled weight decay ``wd`` (a spec option, so every group of the run gets it); ``None``
     (weight decay 0, the runs' config's) leaves the spec as it is, so runs at 0 keep the folders they had
@@ -321,9 +328,8 @@ class Budget:
 
     def submit_tune(self, label: str, lrs: list[float], beta2s: list[float], seeds: list[int],
                     rank: int = TUNE) -> dict:
-        at = with_weight_decay  # the grid's --weight-decay, named when it is not 0 (as wd_spec does)
-        jobs = {(b2, lr, s): P.Job(self.T, self.spec(at(with_beta2(label, b2), self.args.weight_decay or None), lr),
-                                   lr, s)
+        wd = wd_spec(self.args.weight_decay)  # the lr grid's
+        jobs = {(b2, lr, s): P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd), lr), lr, s)
                 for b2 in beta2s for lr in lrs for s in seeds}
         return {k: self.tuner.submit(j, priority=(rank,)) for k, j in jobs.items()}
 
@@ -334,9 +340,10 @@ class Budget:
         lr, b2 = t["best_lr"], t["best_beta2"]
         grid: dict[str, float | None] = {P.fmt_lr(wds[0]): t["best_tune_loss"]}
         status: dict[str, list[str]] = {}
-        futs = {(wd, s): self.tuner.submit(P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd),
-                                                                   lr), lr, s), priority=(rank,))
-                for wd in wds[1:] for s in seeds}
+        def job(wd: float, s: int) -> P.Job:
+            return P.Job(self.T, self.spec(with_weight_decay(with_beta2(label, b2), wd_spec(wd)), lr), lr, s)
+
+        futs = {(wd, s): self.tuner.submit(job(wd, s), priority=(rank,)) for wd in wds[1:] for s in seeds}
         for wd in wds[1:]:
             res = [futs[(wd, s)].result() for s in seeds]
             grid[P.fmt_lr(wd)] = P.mean_std([r["val_loss"] for r in res])[0]
@@ -546,12 +553,6 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             wds: list[float], tune_seeds: list[int], report_seeds: list[int], gate_seeds: list[int],
             match_seeds: list[int]) -> None:
     """Stages 1-3 on ``b``'s shared pool, into ``out``."""
-    # Every run's config has weight decay 0 and a spec names any other value, whatever --weight-decay is:
-    # so a run's folder says its weight decay, and a run at (lr, 0.1) is the same folder, reused, whether
-    # 0.1 came from --weight-decay or from the --weight-decays axis.
-    def wd_spec(wd: float) -> float | None:
-        return None if wd == 0 else wd
-
     priors = priors_of(args, grids, beta2s, wds)
     try:
         # before any tuning run, so that they take the first slots; seed by seed, because idle workers take

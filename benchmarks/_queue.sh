@@ -2,10 +2,10 @@
 #   SCRIPT=benchmarks/NAME.sh RECORDS="dir ..." source benchmarks/_queue.sh "$@"   # then: run ARGS...
 # OUT [COMMIT] come from the caller's arguments. With COMMIT the queue runs the code of a snapshot of that
 # commit (`git archive` into OUT.tree), so that editing the checkout while the queue runs (days, on 2 cores)
-# never changes the code it runs; `--commit` records it. The stage list is the checkout's: its SCRIPT is copied
-# into the snapshot when the queue starts, so stages added later run on the study's code. Each run() is one `quality.py --budget --resume` call on
-# OUT at one thread per job and nice 19, so a queue stopped anywhere (a signal saves every run in flight)
-# and started again goes on where it stopped. RECORDS: folders of runs finished on earlier machines
+# never changes the code it runs; `--commit` records it. The stage list is the checkout's: its SCRIPT is
+# copied into the snapshot when the queue starts, so stages added later run on the study's code. Each run()
+# is one `quality.py --budget --resume` call on OUT at one thread per job and nice 19, so a queue stopped
+# anywhere (a signal saves every run in flight) and started again goes on where it stopped. RECORDS: folders of runs finished on earlier machines
 # (`run_records.py save`), loaded first; a run finished here wins.
 OUT=$(realpath -m "${1:?usage: $SCRIPT OUT [COMMIT]}")
 COMMIT=${2:-}

@@ -3,25 +3,12 @@ difference, a NaN payload and a missing case, and passes identical ones."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_trajectories", ROOT / "benchmarks" / "trajectories.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_script
 
 
 def test_compare_is_bitwise(tmp_path, capsys):
-    T = _load()
+    T = load_script("trajectories")
     w = torch.randn(4, 8)
     base = {"a": {"params": [w], "state": {0: {"step": torch.tensor(3.0)}}, "sd_bytes": b"x"}}
     torch.save(base, tmp_path / "a.pt")

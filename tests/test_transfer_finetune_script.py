@@ -3,21 +3,11 @@ them in nats, and a missing file is one line and exit code 2."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_transfer_finetune", ROOT / "benchmarks" / "transfer_finetune.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_script
 
 
 def _results(path: Path, seed: int, runs: dict[tuple[str, float], float], scale=None) -> Path:
@@ -29,7 +19,7 @@ def _results(path: Path, seed: int, runs: dict[tuple[str, float], float], scale=
 
 
 def test_reporting_seeds_are_paired_at_the_tuning_seeds_lrs(tmp_path, capsys):
-    T = _load()
+    T = load_script("transfer_finetune")
     tune = _results(tmp_path / "s0.json", 0, {("adamw", 1e-4): 19.0, ("adamw", 3e-4): 21.0, ("adamw", 3e-5): 20.0,
                                               ("gwt-adamw:level=2", 1e-4): 19.5, ("gwt-adamw:level=2", 3e-4): 19.2,
                                               ("gwt-adamw:level=2", 3e-5): 21.0})
@@ -47,7 +37,7 @@ def test_reporting_seeds_are_paired_at_the_tuning_seeds_lrs(tmp_path, capsys):
 
 
 def test_a_missing_file_is_one_line_and_exit_code_2(tmp_path, capsys):
-    T = _load()
+    T = load_script("transfer_finetune")
     assert T.main([str(tmp_path / "nope.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such file" in err

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from gwt_optim.toolkit.recipes import RECIPE_ALPHA
+
 __all__ = ["register", "add_training_arguments", "run_defaults", "resolve_config", "check_inputs", "run_pretrain"]
 
 
@@ -87,8 +89,7 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
                    f"optimizer {default('lr')}")
     g.add_argument("--scale", "--alpha", dest="scale", type=float, default=S,
                    help="module-wise alpha on attention/MLP weights, for every optimizer "
-                   + default("scale", "the recipe: 2^(l/2) for a GWT family at level l, 1 for any other optimizer; "
-                             "with it GWT-AdamW takes AdamW's lr, GWT-Muon does not"))
+                   + default("scale", RECIPE_ALPHA))
     g.add_argument("--weight-decay", type=float, default=S,
                    help=f"decoupled weight decay {default('weight_decay')}")
     g.add_argument("--recipe", choices=("paper", "hidden"), default=S,

@@ -33,7 +33,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEMO", "DEMO_SETTING", "DEMO_OPTIMIZERS", "FROZEN_LR", "PAPER_STEPS", "paper_recipe", "paper_optimizers"]
+__all__ = ["DEMO", "DEMO_SETTING", "DEMO_OPTIMIZERS", "FROZEN_LR", "PAPER_STEPS", "RECIPE_ALPHA", "paper_recipe",
+           "paper_optimizers"]
+
+#: What a ``--scale`` left out means, in every command's help (gwt_optim.registry.recipe_scale).
+RECIPE_ALPHA = ("the recipe: 2^(l/2) for a GWT family at level l, 1 for any other optimizer; with it GWT-AdamW "
+                "takes AdamW's lr, GWT-Muon does not")
 
 DEMO: dict[str, Any] = {
     "model": "llama_9m",

@@ -20,6 +20,7 @@ import torch
 # Shared with pretrain/compare: atomic result files and measured optimizer state.
 from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
 from gwt_optim.toolkit.metrics import state_bytes as optimizer_state_bytes
+from gwt_optim.toolkit.recipes import RECIPE_ALPHA
 
 T = TypeVar("T")
 
@@ -382,9 +383,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 # --scale of the finetune commands, whose default None is the recipe (gwt_optim.registry.recipe_scale).
-SCALE_HELP = ("module-wise alpha on the target layers, for every method (default: the recipe: 2^(l/2) for a "
-              "GWT family at level l, 1 for any other method; with it GWT-AdamW takes AdamW's lr, GWT-Muon "
-              "does not)")
+SCALE_HELP = f"module-wise alpha on the target layers, for every method (default: {RECIPE_ALPHA})"
 
 
 def alpha_phrase(scale: float | None) -> str:
