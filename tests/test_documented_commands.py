@@ -596,6 +596,26 @@ def test_finetuning_md_trainer_routes_run_as_written(tmp_path, monkeypatch):
                            untrained.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_finetuning_md_accelerate_block_runs_as_written():
+    """docs/finetuning.md's accelerate block, as shown, on a tiny LLaMA: the recipe's alpha 2 at level 2 on the
+    transformed weights, the lr it passes, and a constant schedule that steps."""
+    import torch
+    from accelerate import Accelerator
+
+    block, = [b for b in _python_blocks(ROOT / "docs" / "finetuning.md") if "accelerator.prepare" in b]
+    ns = {"model": _tiny_llama(), "loader": torch.utils.data.DataLoader(_token_dataset(), batch_size=2),
+          "accelerator": Accelerator(cpu=True)}
+    exec(compile(block, "docs/finetuning.md (accelerate)", "exec"), ns)
+    opt = getattr(ns["optimizer"], "optimizer", ns["optimizer"])  # accelerate's wrapper
+    gwt = next(g for g in opt.param_groups if g["level"] > 0)
+    assert (gwt["level"], gwt["scale"], gwt["lr"]) == (2, 2.0, 5e-6)
+    batch = next(iter(ns["loader"]))
+    ns["model"](**batch).loss.backward()
+    ns["optimizer"].step()
+    ns["scheduler"].step()
+    assert ns["scheduler"].get_last_lr()[0] == 5e-6
+
+
 def test_readme_drop_in_block_runs_as_written_with_the_adamw_recipe():
     """README's drop-in block, on a tiny LLaMA for its ``model = ...``: GWT's matrices get alpha 2 (AdamW's
     lr carries over), everything else plain AdamW, and a step changes the weights."""
