@@ -36,8 +36,6 @@ run --report-seeds 1,2,3,4 --gate-seeds none --contenders "adamw,$WHOLE" --grid 
 #    study's (docs/results/budget-cpu.md).
 MUON=gwt-muon:level=2:scale=2
 run --report-seeds 1,2,3 --gate-seeds none --contenders "adamw,$MUON" --grid adamw=2e-3 --grid "$MUON=2e-3"
-# 4. UNITS on seed 2, to see whether its +0.03 on seed 1 is the seed.
-run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 --grid "$UNITS=2e-3"
 # 5. "Keep your AdamW weight decay" where it is not 0: AdamW and WHOLE at (2e-3, 0.1), seeds 1-3. The weight decay
 #    is in the labels, so these runs' folders differ from the runs at 0 on the snapshot's code too.
 ADAMW_WD=adamw:weight_decay=0.1
@@ -50,3 +48,5 @@ L1=gwt-adamw:level=1:scale=1.414
 L3=gwt-adamw:level=3:scale=2.828
 run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$L1,$L3" --grid adamw=2e-3 --grid "$L1=2e-3" \
   --grid "$L3=2e-3"
+# 4. (last: it is not the recipe) UNITS on seed 2, to see whether its +0.03 on seed 1 is the seed.
+run --report-seeds 1,2 --gate-seeds none --contenders "adamw,$UNITS" --grid adamw=2e-3 --grid "$UNITS=2e-3"
