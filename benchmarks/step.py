@@ -108,11 +108,6 @@ def _cases(device: str) -> list[Case]:
     cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False), level=2))
     # The paper's update: the default's detail clip off (a lighter phase 2).
     cases.append(Case("GWT-AdamW l=2 (paper)", lambda p: GWTAdamW(p, lr=1e-3, level=2, detail_clip=None), level=2))
-    # adamw_units: the approximation's part at AdamW's per-entry size (a factor in the kernels).
-    cases.append(Case("GWT-AdamW l=2 (adamw_units)", lambda p: GWTAdamW(p, lr=1e-3, level=2, adamw_units=True),
-                      level=2))
-    # The transfer rule match_rms: no kernel has it, so its matrices take the eager path.
-    cases.append(Case("GWT-AdamW l=2 (match_rms)", lambda p: GWTAdamW(p, lr=1e-3, level=2, match_rms=True), level=2))
     for level in (1, 2, 3):
         cases.append(
             Case(f"GWT-AdamW l={level} (reference)", lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, impl="reference"))

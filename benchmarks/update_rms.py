@@ -1,4 +1,4 @@
-"""The size of a GWT step against AdamW's, per level: what the transfer rule (``match_rms``) corrects.
+"""The size of a GWT step against AdamW's, per level: what the transfer rule (alpha = 2^(l/2)) corrects.
 
     python benchmarks/update_rms.py                     # the synthetic limits (seconds)
     python benchmarks/update_rms.py --real --steps 400   # and real gradients: llama_9m on pysrc under AdamW
@@ -14,8 +14,11 @@ block of 16 columns, and a steady signal of RMS 0.3 under unit noise; no limiter
 8,192 tokens per step in sequences of 256, matrix lr 2e-3, embeddings/head/norms 3e-3, gradient clip 1,
 10% warm-up then cosine over the 1,953 steps of 16M tokens; ``--steps`` of them). Each attention and MLP
 matrix also feeds its gradient to shadow GWT-AdamW states at levels 1-3 (the paper's update, the default
-clip 0.5, and the clip with the rule; limiter 1.01 as in training), which never touch the weights. Per
+clip 0.5, and the clip at the rule's alpha; limiter 1.01 as in training), which never touch the weights. Per
 recorded step: the median over matrices of the ratio, and its range.
+
+The two candidate rules measured first and removed from the library (``match_rms``, ``adamw_units``) have
+their rows in docs/results/transfer-cpu.md, from this script at f8761b7.
 
 Prints markdown tables and logs versions, hardware and the commit.
 """
@@ -31,15 +34,13 @@ from pathlib import Path
 
 import torch
 
+from gwt_optim.groups import adamw_scale
 from gwt_optim.optim import functional as F
 
-VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor on 1, or "gain": 2^(l/2))
+VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor, or "rule": 2^(l/2))
     "paper": dict(detail_clip=None),
     "clip 0.5": dict(detail_clip=0.5),
-    "clip 0.5 + match_rms": dict(detail_clip=0.5, match_rms=True),
-    "paper + match_rms": dict(detail_clip=None, match_rms=True),
-    "clip 0.5 + adamw_units": dict(detail_clip=0.5, adamw_units=True),
-    "clip 0.5, alpha 2^(l/2)": dict(detail_clip=0.5, alpha="gain"),
+    "clip 0.5, alpha 2^(l/2)": dict(detail_clip=0.5, alpha="rule"),
 }
 
 
@@ -54,8 +55,8 @@ class Shadow:
         self.W = torch.zeros(shape, dtype=dtype)
         self.kw = {**dict(lr=1.0, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, level=level, alpha=1.0,
                           gamma=gamma, detail_clip=None), **variant}
-        if self.kw["alpha"] == "gain":
-            self.kw["alpha"] = F.approx_gain(level)
+        if self.kw["alpha"] == "rule":
+            self.kw["alpha"] = adamw_scale(level)
         self.t = 0
 
     def step(self, G) -> float:

@@ -45,8 +45,7 @@ class Runner:
 
 class AdamW(Runner):
     DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, level=2, scale=0.25,
-                    norm_growth_limit=1.01, detail_clip=0.5, moment_dtype=None, impl="fast", wavelet="haar",
-                    match_rms=False, adamw_units=False)
+                    norm_growth_limit=1.01, detail_clip=0.5, moment_dtype=None, impl="fast", wavelet="haar")
 
     def __init__(self, W: Tensor, **kw) -> None:
         super().__init__(W, {**self.DEFAULTS, **kw}, ("exp_avg", "exp_avg_sq"))
@@ -56,8 +55,7 @@ class AdamW(Runner):
         F.gwt_adamw(self.W, G, s["exp_avg"], s["exp_avg_sq"], s.get("limiter_norm"), step=self.t, lr=lr,
                     beta1=o["betas"][0], beta2=o["betas"][1], eps=o["eps"], weight_decay=o["weight_decay"],
                     level=o["level"], alpha=o["scale"], gamma=o["norm_growth_limit"], detail_clip=o["detail_clip"],
-                    impl=o["impl"], wavelet=o["wavelet"], match_rms=o["match_rms"],
-                        adamw_units=o["adamw_units"])
+                    impl=o["impl"], wavelet=o["wavelet"])
 
 
 class Muon(Runner):
@@ -80,7 +78,7 @@ class Muon(Runner):
 class AdamMini(Runner):
     DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, level=2, scale=0.25,
                     norm_growth_limit=1.01, block="neuron", head_dim=None, moment_dtype=None, impl="fast",
-                    wavelet="haar", match_rms=False, adamw_units=False)
+                    wavelet="haar")
 
     def __init__(self, W: Tensor, **kw) -> None:
         super().__init__(W, {**self.DEFAULTS, **kw}, ("exp_avg",))
@@ -93,14 +91,13 @@ class AdamMini(Runner):
         F.gwt_adam_mini(self.W, G, s["exp_avg"], s["vmean"], s.get("limiter_norm"), step=self.t, lr=lr,
                         beta1=o["betas"][0], beta2=o["betas"][1], eps=o["eps"], weight_decay=o["weight_decay"],
                         level=o["level"], alpha=o["scale"], gamma=o["norm_growth_limit"], block=o["block"],
-                        head_dim=o["head_dim"], impl=o["impl"], wavelet=o["wavelet"], match_rms=o["match_rms"],
-                        adamw_units=o["adamw_units"])
+                        head_dim=o["head_dim"], impl=o["impl"], wavelet=o["wavelet"])
 
 
 class Adafactor(Runner):
     DEFAULTS = dict(lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, level=2, scale=0.25,
                     norm_growth_limit=None, beta1=None, relative_step=True, detail_norm="clip", moment_dtype=None,
-                    impl="fast", wavelet="haar", match_rms=False, adamw_units=False)
+                    impl="fast", wavelet="haar")
 
     def __init__(self, W: Tensor, **kw) -> None:
         super().__init__(W, {**self.DEFAULTS, **kw}, ("exp_avg",) if kw.get("beta1") is not None else ())
@@ -118,8 +115,7 @@ class Adafactor(Runner):
                         beta2_decay=o["beta2_decay"], eps=o["eps"], d=o["d"], weight_decay=o["weight_decay"],
                         beta1=o["beta1"], relative_step=o["relative_step"], detail_norm=o["detail_norm"],
                         level=o["level"], alpha=o["scale"], gamma=o["norm_growth_limit"], impl=o["impl"],
-                        wavelet=o["wavelet"], match_rms=o["match_rms"],
-                        adamw_units=o["adamw_units"])
+                        wavelet=o["wavelet"])
 
 
 def train(runner: type[Runner], W0: Tensor | list[Tensor], grads, *, lrs=None, snapshots=False, **kw):

@@ -70,12 +70,12 @@ def count_fused(monkeypatch):
     [((3, 17), 1), ((2, 3, 9), 2), ((4, 1), 4), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
 )
 @pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
-@pytest.mark.parametrize("clip, units", [(0.5, False), (None, False), (0.5, True), (None, True)])
-def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, clip, units, count_fused):
-    # clip 0.5: the default; None: the paper's update; units: adamw_units (U's factor hu = 1)
+@pytest.mark.parametrize("clip, alpha", [(0.5, 0.25), (None, 0.25), (0.5, 2.0), (None, 2.0)])
+def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, clip, alpha, count_fused):
+    # clip 0.5: the default; None: the paper's update; alpha 0.25: the class's, 2: the recipe's at level 2
     _native_or_skip()
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
-    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip, adamw_units=units)
+    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip, scale=alpha)
     native, opt = _run(W0, grads, compile=True, **kw)
     reference, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}
@@ -90,8 +90,8 @@ def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, c
 @pytest.mark.parametrize("level", [1, 2, 3])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two branches of torch's lerp
 @pytest.mark.parametrize("clip", [0.5, None])
-@pytest.mark.parametrize("units", [False, True])
-def test_native_float32_simd_matches_the_float64_functional_update(level, beta1, clip, units, count_fused):
+@pytest.mark.parametrize("alpha", [0.25, 2.0])
+def test_native_float32_simd_matches_the_float64_functional_update(level, beta1, clip, alpha, count_fused):
     # Rows of 8 * 37 + 3 blocks: the 8-block SIMD loop, its remainder and a
     # zero-padded tail block. eps = 1 keeps den >= 0.03: a den near 0 would
     # amplify float32 rounding in the details of its block, in every path.
@@ -99,7 +99,7 @@ def test_native_float32_simd_matches_the_float64_functional_update(level, beta1,
     n = (8 * 37 + 3) * 2**level - 1
     W0, grads = _problem((5, n), 5, torch.float64, seed=level)
     kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level, detail_clip=clip,
-              adamw_units=units)
+              scale=alpha)
     got, _ = _run(W0.float(), [g.float() for g in grads], compile=True, **kw)
     want, _ = runs.train(runs.AdamW, W0.float().double(), [g.float().double() for g in grads], **kw)
     assert count_fused == {"native": 5}
@@ -292,7 +292,7 @@ def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
     _native_or_skip()
     backend = _fused.NativeBackend()
     w = torch.zeros(4, 8192, dtype=torch.bfloat16)
-    group = {"detail_clip": None, "match_rms": False, "adamw_units": False, "moment_dtype": None}
+    group = {"detail_clip": None, "moment_dtype": None}
 
     def supports(md, level):
         return backend.capabilities.refusal(w, w, md, level, group, False) is None

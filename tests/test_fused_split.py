@@ -129,7 +129,7 @@ def test_a_library_bind_refuses_is_rebuilt_once_then_unavailable(toy):
 
 
 # GWTOptimizer's own keys, which it puts first in every group.
-_BASE_KEYS = ["level", "wavelet", "scale", "norm_growth_limit", "moment_dtype", "detail_clip", "match_rms", "adamw_units"]
+_BASE_KEYS = ["level", "wavelet", "scale", "norm_growth_limit", "moment_dtype", "detail_clip"]
 FAMILIES = [getattr(gwt_optim.optim, name) for name in gwt_optim.optim.__all__]
 
 

@@ -155,10 +155,10 @@ def test_fp32_matches_the_functional_update(tt, level, gamma, wd, eps, steps):
 
 
 @needs_triton
-@pytest.mark.parametrize("units", [False, True])
-def test_detail_clip_matches_the_functional_update(tt, units):
+@pytest.mark.parametrize("alpha", [0.25, 2.0])
+def test_detail_clip_matches_the_functional_update(tt, alpha):
     W0, grads = _problem(shapes=SHAPES[:3], steps=2, seed=3)
-    kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5, adamw_units=units)
+    kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5, scale=alpha)
     opts = []
     got = _train(W0, grads, compile="triton", opt_out=opts, **kw)
     want, _ = _functional(W0, grads, **kw)

@@ -36,8 +36,6 @@ class Capabilities:
     contiguous: bool = True  # needs a contiguous weight and gradient: it walks flat memory
     detail_clip: bool = False  # a clipped form of the details (group["detail_clip"])
     int8_moments: bool = False  # reads moment_dtype="int8" codes
-    match_rms: bool = False  # rescales each row of the update (group["match_rms"], the transfer rule)
-    adamw_units: bool = False  # U's part at AdamW's per-entry size (group["adamw_units"])
     # Runs whole steps (phase 1, limiter, phase 2) of many parameters in one
     # call (step_buckets): the "batched" path, and the plain level-0 step.
     batched: bool = False
@@ -65,10 +63,6 @@ class Capabilities:
             return "needs a contiguous weight and gradient"
         if group["detail_clip"] is not None and not self.detail_clip:
             return "has no clipped form of the details (detail_clip)"
-        if group["match_rms"] and level > 0 and not self.match_rms:
-            return "has no row-RMS match of the update (match_rms)"
-        if group["adamw_units"] and level > 0 and not self.adamw_units:
-            return "has no gain on the approximation's part (adamw_units)"
         if group["moment_dtype"] == "int8" and not self.int8_moments:
             return "does not read int8 moments"
         if level == 0 and not self.batched:
@@ -98,7 +92,6 @@ CAPABILITIES: dict[str, Capabilities] = {
         levels=range(0, 17),
         max_level=((BF16, 11),),
         detail_clip=True,  # a hyperparameter of phase 2 (0 when off)
-        adamw_units=True,  # U's factor hu in the hyperparameters
         batched=True,
         dtensor=True,
     ),
@@ -110,7 +103,6 @@ CAPABILITIES: dict[str, Capabilities] = {
         dtypes=frozenset((w, g, m) for w in (F32, BF16, F16) for g in (F32, BF16, F16) for m in (F32, BF16)),
         levels=range(0, 11),
         detail_clip=True,  # a kernel argument (+inf when off)
-        adamw_units=True,  # U's factor hu, a kernel argument
         batched=True,
         dtensor=True,
     ),
@@ -247,8 +239,7 @@ def route_key(group: dict) -> tuple:
     """The group options that choose each parameter's backend and state,
     rather than only a kernel's arguments: a change makes a new step plan."""
     return (group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
-            group["norm_growth_limit"] is None, group["detail_clip"] is None, group["match_rms"],
-            group["adamw_units"])
+            group["norm_growth_limit"] is None, group["detail_clip"] is None)
 
 
 def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int,

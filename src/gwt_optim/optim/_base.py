@@ -24,7 +24,7 @@ from gwt_optim import wavelets
 from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_flat_list_does
 from gwt_optim.optim._backends import MOMENT_DTYPES
 from gwt_optim.optim._fused import backend_option
-from gwt_optim.optim._saved import check_family, check_saved_state, describe, shipped_families
+from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
@@ -57,10 +57,6 @@ class GWTOptimizer(Optimizer):
         base = {
             "level": 2, "wavelet": wavelets.HAAR, "scale": 0.25, "norm_growth_limit": 1.01, "moment_dtype": None,
             "detail_clip": None,  # opt-in small-batch remedy (docs/algorithm.md): None is the paper's update
-            # The transfer rule (functional.match_row_rms); False is the paper's step size.
-            "match_rms": False,
-            # The approximation's part at AdamW's per-entry size (functional.approx_gain).
-            "adamw_units": False,
         }
         base.update(defaults)
         self._validate_group(base)
@@ -151,9 +147,6 @@ class GWTOptimizer(Optimizer):
         if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
                                      and math.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
-        for key in ("match_rms", "adamw_units"):
-            if not isinstance(g[key], bool):
-                raise ValueError(f"Invalid {key}: {g[key]!r} (True or False)")
         md = g["moment_dtype"]
         if md is not None and md not in MOMENT_DTYPES:
             raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)} or None)")
@@ -226,10 +219,9 @@ class GWTOptimizer(Optimizer):
             # torch's older state dicts hold the step as a number; the step reads a tensor.
             "state": {pid: {k: torch.tensor(float(v), dtype=torch.float32) if k == "step" and _is_real(v) else v
                             for k, v in st.items()} for pid, st in state_dict["state"].items()},
-            # A group saved before detail_clip, match_rms or adamw_units existed
-            # ran the paper's update: it keeps doing so rather than taking today's default.
-            "param_groups": [{"detail_clip": None, "match_rms": False, "adamw_units": False, **{k: v for k, v in g.items() if k != "optimizer"}}
-                             for g in saved_groups],
+            # A group saved before detail_clip existed ran the paper's update: it keeps doing so rather than
+            # taking today's default.
+            "param_groups": [{"detail_clip": None, **saved_group(g)} for g in saved_groups],
         }
         check_saved_state(self, state_dict)
         super().load_state_dict(state_dict)

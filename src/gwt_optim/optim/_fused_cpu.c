@@ -10,15 +10,14 @@
  *            NaN or an infinity leaves M and V untouched (returns NaN)
  *            M = lerp(M, A, 1 - beta1), V = beta2 V + (1 - beta2) A^2
  *            d_k = 1 / den_k, den = sqrt(V) + eps2   (d_k = 0 where den_k = 0)
- *            t_k = h (M_k - A_k) d_k, plus (hu - h) M_k d_k when hu != h
+ *            t_k = h (M_k - A_k) d_k
  *            returns sum_k (M_k d_k)^2, the limiter's squared norm
  *   phase 2  W = W * decay - step * coef * (G d_k + t_k) on block k
- *            or, with detail_clip c, with u_k = hu M_k d_k:
+ *            or, with detail_clip c, with u_k = h M_k d_k:
  *            W = W * decay - step * coef * (u_k + clamp(G d_k + t_k - u_k, -c, c))
  *
  * which is the closed form of the inverse transform in functional._haar_delta
- * with q = coef d and c = coef t. hu is U's factor: h, or 1 with adamw_units
- * (the approximation's part at AdamW's per-entry size, functional.approx_gain). d and t are an A-sized workspace the caller
+ * with q = coef d and c = coef t. d and t are an A-sized workspace the caller
  * passes between the phases, so phase 2 neither recomputes the block sums
  * nor a square root and a division per block. When the caller runs phase 2
  * of a parameter right after its phase 1, the gradient and the workspace
@@ -59,7 +58,6 @@ typedef struct {
     double scale; /* step * coef: lr * bias correction * alpha / r (phase 2) */
     double decay; /* 1 - lr * weight_decay (phase 2) */
     double clip;  /* detail_clip: clamp of the normalized details (phase 2); 0 = off */
-    double hu;    /* U's factor in the inverse: h, or 1 with adamw_units */
 } gwt_hyper;
 
 /* One parameter's whole step for gwt_adamw_haar_steps_*. */
@@ -182,7 +180,7 @@ DEFINE_SUMS_AVX2(8)
 DEFINE_PHASE2_AVX2(2)
 DEFINE_PHASE2_AVX2(4)
 /* Clipped phase 2 for float blocks of 2 and 4 on AVX2, as phase2_avx2_*:
- * three per-block factors, d_k, shift_k = t_k - u_k and u_k = hu M_k d_k. */
+ * three per-block factors, d_k, shift_k = t_k - u_k and u_k = h M_k d_k. */
 #define DEFINE_PHASE2_CLIP_AVX2(B)                                                  \
     static int64_t phase2_clip_avx2_##B(float *restrict w, const float *restrict g, \
                                         const float *restrict m, const float *restrict d, \
@@ -190,7 +188,7 @@ DEFINE_PHASE2_AVX2(4)
                                         const gwt_hyper *hp) {                     \
         const __m256 scv = _mm256_set1_ps((float)hp->scale);                       \
         const __m256 dec = _mm256_set1_ps((float)hp->decay);                       \
-        const __m256 hv = _mm256_set1_ps((float)hp->hu);                           \
+        const __m256 hv = _mm256_set1_ps((float)hp->h);                            \
         const __m256 cv = _mm256_set1_ps((float)hp->clip);                         \
         const __m256 negc = _mm256_sub_ps(_mm256_setzero_ps(), cv);                \
         int64_t k = 0;                                                             \
@@ -307,13 +305,6 @@ DEFINE_NONFINITE(double, double, bits64, 0x7fffffffffffffffull, 0x7ff00000000000
             t[k] = h * (mk - ak) * inv;                                            \
             acc += (mk * inv) * (mk * inv);                                        \
         }                                                                          \
-        /* adamw_units: t_k += (hu - h) M_k d_k, a pass of its own so that the  \
-         * loop above (and the limiter's sum) compiles as it did before it */     \
-        if (hp->hu != hp->h) {                                                     \
-            const T du = (T)(hp->hu - hp->h);                                      \
-            _Pragma("omp simd")                                                    \
-            for (int64_t k = 0; k < nb; ++k) t[k] += du * m[k] * d[k];             \
-        }                                                                          \
         return (double)acc;                                                        \
     }
 
@@ -367,7 +358,7 @@ DEFINE_NONFINITE(double, double, bits64, 0x7fffffffffffffffull, 0x7ff00000000000
     }
 
 /* Phase 2 with detail_clip: G d_k + t_k - u_k is the normalized detail
- * (G - mean_k) / den_k, clamped before the approximation part u_k = hu M_k d_k
+ * (G - mean_k) / den_k, clamped before the approximation part u_k = h M_k d_k
  * is added back. u_k needs M, so this one reads the (2^-l sized) moment too.
  * Blocks of 8 or more entries are the vector; smaller ones take the SIMD
  * kernel where there is one, and spread each chunk's per-block factors to
@@ -377,12 +368,12 @@ DEFINE_NONFINITE(double, double, bits64, 0x7fffffffffffffffull, 0x7ff00000000000
                                        const T *restrict m, const T *restrict d,   \
                                        const T *restrict t, int64_t nblocks,       \
                                        int64_t n, int64_t BARG, const gwt_hyper *hp) { \
-        const T sc = (T)hp->scale, decay = (T)hp->decay, hu = (T)hp->hu;           \
+        const T sc = (T)hp->scale, decay = (T)hp->decay, h = (T)hp->h;             \
         const T c = (T)hp->clip;                                                   \
         int64_t k = SIMD(w, g, m, d, t, n / (B), hp);                              \
         if ((B) >= 8) {                                                            \
             for (; k < nblocks; ++k) {                                             \
-                const T dk = d[k], uk = hu * m[k] * dk, shift = t[k] - uk;         \
+                const T dk = d[k], uk = h * m[k] * dk, shift = t[k] - uk;          \
                 const int64_t j0 = k * (B), j1 = MIN(j0 + (B), n);                 \
                 _Pragma("omp simd")                                                \
                 for (int64_t j = j0; j < j1; ++j) {                                \
@@ -399,7 +390,7 @@ DEFINE_NONFINITE(double, double, bits64, 0x7fffffffffffffffull, 0x7ff00000000000
             const int64_t nk = MIN(per, nblocks - k0);                             \
             const int64_t ne = MIN(nk * (B), n - k0 * (B));                        \
             for (int64_t kk = 0; kk < nk; ++kk) {                                  \
-                const T dk = d[k0 + kk], uk = hu * m[k0 + kk] * dk;                \
+                const T dk = d[k0 + kk], uk = h * m[k0 + kk] * dk;                 \
                 const T shift = t[k0 + kk] - uk;                                   \
                 for (int64_t j = 0; j < (B); ++j) {                                \
                     de[kk * (B) + j] = dk;                                         \

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim import _toolchain
-from gwt_optim.optim import functional as F
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, check_pointers
 
 __all__ = ["NativeBackend", "native_library"]
@@ -52,7 +51,7 @@ _STATE_DTYPE = {torch.float32: torch.float32, torch.float64: torch.float64, torc
 class _Hyper(ctypes.Structure):
     """Mirror of ``gwt_hyper`` in ``_fused_cpu.c``."""
 
-    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip", "hu")]
+    _fields_ = [(name, ctypes.c_double) for name in ("h", "w1", "beta2", "eps2", "scale", "decay", "clip")]
 
 
 class _Task(ctypes.Structure):
@@ -103,14 +102,12 @@ _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
 def _hyper(group: dict, level: int, step: int, scale: float = 0.0, decay: float = 0.0) -> _Hyper:
-    """The kernels' hyperparameters of a step of ``group`` at ``level`` (detail_clip 0 when off; hu 1 with
-    adamw_units, else h = 2^(-l/2))."""
+    """The kernels' hyperparameters of a step of ``group`` at ``level`` (detail_clip 0 when off)."""
     beta1, beta2 = group["betas"]
     clip = group.get("detail_clip")
     h = 2.0 ** (-level / 2)
     return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=scale,
-                  decay=decay, clip=0.0 if clip is None else float(clip),
-                  hu=F.haar_u_factor(level, bool(group.get("adamw_units"))))
+                  decay=decay, clip=0.0 if clip is None else float(clip))
 
 
 def _rows(G: Tensor) -> tuple[int, int, int]:

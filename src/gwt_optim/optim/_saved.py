@@ -13,7 +13,7 @@ from torch import Tensor
 
 from gwt_optim import wavelets
 
-__all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "expected_state", "shipped_families",
+__all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "expected_state", "saved_group", "shipped_families",
            "state_problem"]
 
 
@@ -143,3 +143,18 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
             problem = state_problem(st, spec, level)
             if problem is not None:
                 raise ValueError(f"{opt._family}: {where}: {problem}")
+
+
+# Transfer-rule candidates of issue 46, measured and removed (docs/results/transfer-cpu.md): False is the
+# update every version runs, so a group saved with it loads; True named a step this version does not have.
+_REMOVED_OPTIONS = ("match_rms", "adamw_units")
+
+
+def saved_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A saved group without the family tag and the removed options; ``ValueError`` if one was on."""
+    on = [key for key in _REMOVED_OPTIONS if group.get(key)]
+    if on:
+        raise ValueError(f"this state dict was saved with {on[0]}=True, a transfer rule removed after it was "
+                         "measured (docs/results/transfer-cpu.md); load it with gwt-optim at commit 84d482b or "
+                         "earlier, or start the optimizer afresh")
+    return {k: v for k, v in group.items() if k != "optimizer" and k not in _REMOVED_OPTIONS}

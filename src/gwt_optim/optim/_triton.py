@@ -23,9 +23,8 @@ phase 2 (grid: chunks)
     Recomputes :math:`A` and the new moments from :math:`G`, :math:`M`,
     :math:`V` (about 22 bytes per fp32 parameter at level 2, against fused
     AdamW's 28), stores the moments and
-    :math:`W \leftarrow W (1 - \eta\lambda) - s\,(h_u M_k d_k +
-    \mathrm{clip}((G_i - h A_k) d_k, -c, c))`, :math:`s = \eta c_t \alpha / r`, where
-    :math:`h_u` is :math:`h` or, with ``adamw_units``, 1.
+    :math:`W \leftarrow W (1 - \eta\lambda) - s\,(h M_k d_k +
+    \mathrm{clip}((G_i - h A_k) d_k, -c, c))`, :math:`s = \eta c_t \alpha / r`.
 
 Every changing scalar (learning rate, bias corrections, weight decay, the
 detail clip) is a kernel argument, so nothing recompiles from step to step,
@@ -63,7 +62,6 @@ import triton
 import triton.language as tl
 
 from gwt_optim.optim._backends import CAPABILITIES, check_pointers
-from gwt_optim.optim import functional as F
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -243,7 +241,7 @@ def _limiter_kernel(
 @triton.jit
 def _phase2_kernel(
     ptrs, geom, chunk_tensor, inv_r, skip,
-    h, w1, beta2, w2, eps2, scale, decay, clip, hu,
+    h, w1, beta2, w2, eps2, scale, decay, clip,
     B: tl.constexpr, TB: tl.constexpr, W_KIND: tl.constexpr, G_KIND: tl.constexpr, M_KIND: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -258,7 +256,7 @@ def _phase2_kernel(
     d = tl.where(den > 0, tl.div_rn(1.0, tl.where(den > 0, den, 1.0)), 0.0)
     detail = (g - (h * A)[:, None]) * d[:, None]
     detail = tl.minimum(tl.maximum(detail, -clip), clip)
-    delta = (hu * m * d)[:, None] + detail  # hu: U's factor, h or 1 (adamw_units)
+    delta = (h * m * d)[:, None] + detail
     s = scale * tl.load(inv_r + t)
     w_ptr = _typed(tl.load(ptrs + t * _COLS + _W), W_KIND, ALIGNED) + off
     w = _to_f32(tl.load(w_ptr, mask=emask, other=0), W_KIND)
@@ -295,7 +293,6 @@ class _Hyper:
     gamma: float
     first: float
     clip: float
-    hu: float  # U's factor in the inverse: h, or 1 with adamw_units (functional.approx_gain)
 
 
 @dataclass
@@ -544,7 +541,6 @@ class TritonBackend:
             gamma=float(group["norm_growth_limit"]) if limited else 1.0,
             first=1.0 if step == 1 else 0.0,
             clip=math.inf if clip is None else float(clip),
-            hu=F.haar_u_factor(level, bool(group.get("adamw_units"))),
         )
 
     def _bucket(self, key: tuple, tensors: list, level: int, limited: bool, kinds: tuple) -> _Bucket:
@@ -666,7 +662,7 @@ class TritonBackend:
         wdt, gdt, mdt = kinds
         _launch_phase2(
             (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, inv_r, skip,
-            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(scale), float(decay), hyper.clip, hyper.hu,
+            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(scale), float(decay), hyper.clip,
             B=1 << level, TB=self._tb(level), W_KIND=_KIND[wdt], G_KIND=_KIND[gdt], M_KIND=_KIND[mdt],
             ALIGNED=bucket.aligned, num_warps=self.num_warps,
         )

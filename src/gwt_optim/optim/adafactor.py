@@ -67,8 +67,6 @@ class GWTAdafactor(GWTOptimizer):
         beta1: float | None = None,
         relative_step: bool = True,
         detail_norm: str = "clip",
-        match_rms: bool = False,
-        adamw_units: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
@@ -78,7 +76,6 @@ class GWTAdafactor(GWTOptimizer):
             lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
-            match_rms=match_rms, adamw_units=adamw_units,
         )
         super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
@@ -118,5 +115,4 @@ class GWTAdafactor(GWTOptimizer):
     def _apply(self, group, W, m, r, step):
         F.gwt_adafactor_apply(W, m, r, step=step, lr=group_lr(group), eps2=group["eps"][1],
                               relative_step=group["relative_step"], weight_decay=group["weight_decay"],
-                              alpha=group["scale"], detail_clip=group["detail_clip"], match_rms=group["match_rms"],
-                              adamw_units=group["adamw_units"])
+                              alpha=group["scale"], detail_clip=group["detail_clip"])

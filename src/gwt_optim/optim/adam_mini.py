@@ -83,8 +83,6 @@ class GWTAdamMini(GWTOptimizer):
         *,
         block: str = "neuron",
         head_dim: int | None = None,
-        match_rms: bool = False,
-        adamw_units: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
@@ -94,7 +92,6 @@ class GWTAdamMini(GWTOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             moment_dtype=moment_dtype, block=block, head_dim=head_dim,
-            match_rms=match_rms, adamw_units=adamw_units,
         )
         super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
@@ -133,8 +130,7 @@ class GWTAdamMini(GWTOptimizer):
         beta1, beta2 = group["betas"]
         F.gwt_adam_mini_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
                               weight_decay=group["weight_decay"], alpha=group["scale"],
-                              detail_clip=group["detail_clip"], match_rms=group["match_rms"],
-                              adamw_units=group["adamw_units"])
+                              detail_clip=group["detail_clip"])
 
 
 def adam_mini_param_groups(

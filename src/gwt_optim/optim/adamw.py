@@ -48,11 +48,6 @@ class GWTAdamW(GWTOptimizer):
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
             ``"bfloat16"`` to halve moment memory again, ``"float64"``, or
             ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`).
-        match_rms: the transfer rule: each row of the update rescaled to the
-            RMS of U's row (:func:`~gwt_optim.optim.functional.match_row_rms`).
-        adamw_units: the approximation's part of the update at AdamW's
-            per-entry size, U rather than U 2^(-l/2)
-            (:func:`~gwt_optim.optim.functional.approx_gain`).
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
         backend: where the fast Haar step runs: ``"auto"`` (default) takes
@@ -85,8 +80,6 @@ class GWTAdamW(GWTOptimizer):
         norm_growth_limit: float | None = 1.01,
         *,
         detail_clip: float | None = 0.5,
-        match_rms: bool = False,
-        adamw_units: bool = False,
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
@@ -96,7 +89,6 @@ class GWTAdamW(GWTOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             detail_clip=detail_clip, moment_dtype=moment_dtype,
-            match_rms=match_rms, adamw_units=adamw_units,
         )
         super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
 
@@ -137,5 +129,4 @@ def moments(group: dict, state: dict, W: Tensor, G: Tensor, step: int, impl: str
 def apply(group: dict, W: Tensor, m: F.Moments, r, step: int) -> None:
     beta1, beta2 = group["betas"]
     F.gwt_adamw_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
-                      weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"],
-                      match_rms=group["match_rms"], adamw_units=group["adamw_units"])
+                      weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"])

@@ -49,7 +49,7 @@ __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor", "Moments",
     "gwt_adamw_moments", "gwt_adamw_apply", "gwt_muon_moments", "gwt_muon_apply",
     "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
-    "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "approx_gain", "haar_u_factor", "match_row_rms", "apply_update",
+    "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
     "adafactor_moments",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
@@ -140,72 +140,18 @@ def limiter_ratio(norm_sq: Tensor | float, s: Tensor, step: int, gamma: float) -
 
 
 def direction(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, r: Tensor | float, alpha: float, level: int,
-              clip: float | None = None, coeffs: wavelets.Coefficients | None = None,
-              match_rms: bool = False, adamw_units: bool = False) -> Tensor:
+              clip: float | None = None, coeffs: wavelets.Coefficients | None = None) -> Tensor:
     """Step 4: Delta = alpha * IDWT([U, D_l/den', ..., D_1/den']) / r, full size.
 
     ``coeffs`` from :func:`transform` selects the literal inverse; otherwise
     the Haar closed form over ``G``. ``den=None`` leaves the details raw.
-    ``match_rms`` rescales each row of Delta to the RMS of U's row times
-    alpha / r (:func:`match_row_rms`, the transfer rule). ``adamw_units``
-    returns U to each entry of its block at AdamW's per-entry size, U rather
-    than the inverse's U 2^(-l/2), the details unchanged (``approx_gain``).
     """
     coef = alpha / r if isinstance(r, float) else (alpha / r).to(U.dtype)
     if level == 0:
         return U * coef
-    gain = approx_gain(level) if adamw_units else 1.0
     if coeffs is not None:
-        delta = _reference_inverse(coeffs, U * gain if adamw_units else U, den, r, clip) * alpha
-    else:
-        delta = _haar_delta(G, A, U, den, coef, level, clip, gain)
-    return match_row_rms(delta, U, coef) if match_rms else delta
-
-
-def approx_gain(level: int) -> float:
-    r"""The factor ``adamw_units`` puts on U: :math:`2^{l/2}`.
-
-    The orthonormal inverse returns the approximation's update to each of the
-    :math:`2^l` entries of its block as :math:`U\,2^{-l/2}`, while AdamW's
-    update of a block-constant gradient is :math:`U` per entry (the moments'
-    ratio does not see the :math:`2^{l/2}` in :math:`A_l`); under pure noise
-    both have the RMS :math:`\sqrt{(1-\beta_1)/(1+\beta_1)}` too. With the
-    gain the averaged part of the step is AdamW's at the same lr whatever the
-    level; the details, used once, keep their units (the block's Adam
-    denominator), so ``detail_clip`` means the same at every level.
-    """
-    return 2.0 ** (level / 2)
-
-
-def haar_u_factor(level: int, adamw_units: bool) -> float:
-    """U's factor per entry in the Haar closed form, which the fused kernels take as ``hu``: the inverse's
-    h = 2^(-l/2), or h * :func:`approx_gain` = 1 with ``adamw_units``."""
-    return 1.0 if adamw_units else 2.0 ** (-level / 2)
-
-
-def match_row_rms(delta: Tensor, U: Tensor, coef) -> Tensor:
-    r"""The transfer rule: each row of ``delta`` rescaled to the RMS of the
-    same row of ``U`` times ``coef`` (alpha / r), in place.
-
-    ``U`` is Adam's update on the approximation coefficients, so its RMS is
-    that of AdamW's update on the same gradients in both limits: pure noise
-    (:math:`\approx\sqrt{(1-\beta_1)/(1+\beta_1)}`) and a steady signal
-    (:math:`\approx 1`). The inverse transform returns :math:`U` to each entry
-    as :math:`U\,2^{-l/2}` and adds the normalized details, whose size depends
-    on the noise, the level and the clip: measured against AdamW the paper's
-    update ranges from 0.5x to 30x (``benchmarks/update_rms.py``). Matched,
-    the step has AdamW's size, though not its signal: at the 16M-token budget,
-    at AdamW's lr, it ended behind AdamW (docs/results/transfer-cpu.md), so
-    it stays opt-in. Rows (all leading
-    dimensions) rather than the whole matrix: a row is local to its FSDP2
-    shard, and Adam's row-to-row differences in size are kept.
-    """
-    if delta.ndim < 2:
-        return delta
-    want = U.square().mean(-1, keepdim=True).sqrt_().mul_(coef)
-    have = delta.square().mean(-1, keepdim=True).sqrt_()
-    return delta.mul_(torch.where(have > 0, want / torch.where(have > 0, have, torch.ones_like(have)),
-                                  torch.zeros_like(have)))
+        return _reference_inverse(coeffs, U, den, r, clip) * alpha
+    return _haar_delta(G, A, U, den, coef, level, clip)
 
 
 def apply_update(W: Tensor, delta: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
@@ -227,10 +173,8 @@ def _safe_div(x: Tensor, den: Tensor) -> Tensor:
     return torch.where(den > 0, x / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(x))
 
 
-def _haar_delta(
-    G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int, clip: float | None = None,
-    gain: float = 1.0,
-) -> Tensor:
+def _haar_delta(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, coef, level: int,
+                clip: float | None = None) -> Tensor:
     """Closed form of ``coef * inverse([U, D_l/den', ..., D_1/den'])`` for Haar.
 
     On block k the inverse of the details alone is ``G_k - mean(G_k)`` and
@@ -239,8 +183,7 @@ def _haar_delta(
     ``addcmul`` pass over G with per-block scalars.
 
     With ``clip`` the normalized detail ``(G_k - mean(G_k))/den_k`` is clamped
-    to ``[-clip, clip]`` elementwise before ``coef`` scales it. ``gain``
-    multiplies U's part (:func:`approx_gain`).
+    to ``[-clip, clip]`` elementwise before ``coef`` scales it.
     """
     blocks, n = wavelets.haar_block_split(G, level)
     h = 2.0 ** (-level / 2)
@@ -250,11 +193,11 @@ def _haar_delta(
         d = torch.where(den > 0, 1.0 / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
     if clip is None:
         q = d.mul_(coef)
-        c = (U * (coef * gain) if gain != 1.0 else U * coef).sub_(A * q).mul_(h)
+        c = (U * coef).sub_(A * q).mul_(h)
         delta = torch.addcmul(c.unsqueeze(-1), blocks, q.unsqueeze(-1)).flatten(-2)
     else:
         detail = (blocks - (A * h).unsqueeze(-1)).mul_(d.unsqueeze(-1)).clamp_(-clip, clip)
-        delta = detail.add_((U * (h * gain)).unsqueeze(-1)).mul_(coef).flatten(-2)
+        delta = detail.add_((U * h).unsqueeze(-1)).mul_(coef).flatten(-2)
     return delta[..., :n] if delta.shape[-1] != n else delta
 
 
@@ -331,21 +274,19 @@ def gwt_adamw_moments(W: Tensor, G: Tensor, exp_avg, exp_avg_sq, *, step: int, b
 
 
 def gwt_adamw_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, beta1: float, beta2: float,
-                    weight_decay: float, alpha: float, detail_clip: float | None, match_rms: bool = False,
-                    adamw_units: bool = False) -> None:
+                    weight_decay: float, alpha: float, detail_clip: float | None) -> None:
     """The second half of :func:`gwt_adamw` (steps 4-5), with the limiter's ``r``."""
     finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2), alpha=alpha,
-           detail_clip=detail_clip, match_rms=match_rms, adamw_units=adamw_units)
+           detail_clip=detail_clip)
 
 
 def finish(W: Tensor, m: Moments, r: Tensor | float, *, lr: float, weight_decay: float, step_size: float,
-           alpha: float, detail_clip: float | None = None, match_rms: bool = False,
-           adamw_units: bool = False) -> None:
+           alpha: float, detail_clip: float | None = None) -> None:
     """Steps 4-5 of the families with a normalizer (AdamW, Adam-mini, Adafactor);
     a vector takes alpha 1 and no clip."""
     if W.ndim < 2:
         alpha, detail_clip = 1.0, None
-    delta = direction(m.G, m.A, m.U, m.den, r, alpha, m.level, detail_clip, m.coeffs, match_rms, adamw_units)
+    delta = direction(m.G, m.A, m.U, m.den, r, alpha, m.level, detail_clip, m.coeffs)
     apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=step_size)
 
 
@@ -357,7 +298,7 @@ def _limit(W: Tensor, m: Moments, limiter_norm: Tensor | None, step: int, gamma:
 def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter_norm: Tensor | None, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
               alpha: float, gamma: float | None, detail_clip: float | None, impl: str = "fast",
-              wavelet: str = wavelets.HAAR, match_rms: bool = False, adamw_units: bool = False) -> None:
+              wavelet: str = wavelets.HAAR) -> None:
     """One GWT-AdamW step of W (``step`` = t, counted from 1), in place.
 
     ``exp_avg``/``exp_avg_sq`` are shaped like A_l (fp32 or lower), and
@@ -369,7 +310,7 @@ def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter
                           impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adamw_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
-                    detail_clip=detail_clip, match_rms=match_rms, adamw_units=adamw_units)
+                    detail_clip=detail_clip)
 
 
 # ------------------------------------------------------------- GWT-Muon --- #
@@ -528,8 +469,7 @@ gwt_adam_mini_apply = gwt_adamw_apply
 def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_norm: Tensor | None, *,
                   step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
                   alpha: float, gamma: float | None, block: str, head_dim: int | None = None,
-                  detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR,
-                  match_rms: bool = False, adamw_units: bool = False) -> None:
+                  detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
     """One GWT-Adam-mini step of W, in place: GWT-AdamW's with one second moment per block.
 
     ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
@@ -538,7 +478,7 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
                               head_dim=head_dim, level=level, impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adam_mini_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
-                        detail_clip=detail_clip, match_rms=match_rms, adamw_units=adamw_units)
+                        detail_clip=detail_clip)
 
 
 # -------------------------------------------------------- GWT-Adafactor --- #
@@ -612,12 +552,10 @@ def gwt_adafactor_moments(W: Tensor, G: Tensor, *, step: int, row_var: Tensor | 
 
 def gwt_adafactor_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, eps2: float = 1e-3,
                         relative_step: bool = True, weight_decay: float = 0.0, alpha: float,
-                        detail_clip: float | None = None, match_rms: bool = False,
-                        adamw_units: bool = False) -> None:
+                        detail_clip: float | None = None) -> None:
     """The second half of :func:`gwt_adafactor`; the relative step reads W before the update."""
     c_t = adafactor_step_factor(W, step, lr, eps2, relative_step)
-    finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * c_t, alpha=alpha, detail_clip=detail_clip,
-           match_rms=match_rms, adamw_units=adamw_units)
+    finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * c_t, alpha=alpha, detail_clip=detail_clip)
 
 
 def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor | None = None,
@@ -626,7 +564,7 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                   eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
                   beta1: float | None = None, relative_step: bool = True, detail_norm: str = "clip", level: int,
                   alpha: float, gamma: float | None = None, detail_clip: float | None = None, impl: str = "fast",
-                  wavelet: str = wavelets.HAAR, match_rms: bool = False, adamw_units: bool = False) -> None:
+                  wavelet: str = wavelets.HAAR) -> None:
     """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
     matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
     m = gwt_adafactor_moments(W, G, step=step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
@@ -634,5 +572,4 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                               level=level, impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adafactor_apply(W, m, r, step=step, lr=lr, eps2=eps[1], relative_step=relative_step,
-                        weight_decay=weight_decay, alpha=alpha, detail_clip=detail_clip, match_rms=match_rms,
-                        adamw_units=adamw_units)
+                        weight_decay=weight_decay, alpha=alpha, detail_clip=detail_clip)

@@ -110,10 +110,6 @@ class GWTMuon(GWTOptimizer):
             raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {g['ns_coefficients']!r}")
         if not 0 < g["ns_steps"] < 100:
             raise ValueError(f"Invalid ns_steps: {g['ns_steps']} (must be in [1, 100))")
-        for rule in ("match_rms", "adamw_units"):  # rules on the size of an Adam-normalized step
-            if g["use_muon"] and g[rule]:
-                raise ValueError(f"{rule} does not apply to a use_muon group: Newton-Schulz fixes its update's "
-                                 "size; adjust_lr_fn='match_rms_adamw' is Muon's rule for carrying AdamW's lr")
         if g["use_muon"] and g["detail_clip"] is not None:
             # A unitless bound on normalized details would clamp raw ones in gradient units (docs/families.md).
             raise ValueError(

@@ -307,8 +307,6 @@ GWT_OPTIONS: dict[str, Any] = {
     "wavelet": "haar",
     "norm_growth_limit": 1.01,
     "detail_clip": None,
-    "match_rms": None,  # the transfer rule (functional.match_row_rms); None: the class's default
-    "adamw_units": None,  # U's part at AdamW's per-entry size (functional.approx_gain); None: the default
     "impl": "fast",
     "moment_dtype": None,
 }
@@ -317,13 +315,11 @@ GWT_OPTIONS: dict[str, Any] = {
 def gwt_group_options(cfg: OptimizerConfig) -> dict[str, Any]:
     """Pop the shared GWT options: the transform's keyword arguments of
     :func:`gwt_optim.groups.gwt_param_groups` plus ``detail_clip``."""
-    rules = {k: v for k in ("match_rms", "adamw_units") if (v := cfg.pop(k)) is not None}
     return {
         "level": cfg.pop("level"),
         "wavelet": cfg.pop("wavelet"),
         "norm_growth_limit": cfg.pop("norm_growth_limit"),
-        "transformed_options": {"detail_clip": cfg.pop("detail_clip"),
-                                **rules},
+        "transformed_options": {"detail_clip": cfg.pop("detail_clip")},
     }
 
 
