@@ -54,7 +54,7 @@ def test_run_learns_and_writes_its_run_directory(tiny_config):
     assert ckpt.latest_checkpoint(run).name == "step_00000012"
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "gwt-adamw:level=2:scale=0.25"])
+@pytest.mark.parametrize("optimizer", ["adamw", "gwt-adamw:level=2:scale=0.25", "gwt-muon:level=2"])
 def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path, optimizer, stop_at):
     full = train(tiny_config(out=str(tmp_path / "full"), optimizer=optimizer))
     # Ctrl-C before step 6: the loop saves a checkpoint of step 5 and re-raises.
