@@ -27,6 +27,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from gwt_optim.optim.functional import adamw_scale  # the transfer rule, stated with the update
+
 __all__ = ["ParamSplit", "split_params", "gwt_param_groups", "adamw_scale", "lr_scaled_groups", "RECIPES"]
 
 RECIPES = ("paper", "hidden")
@@ -130,17 +132,6 @@ def split_params(
         seen.add(id(p))
         (split.transformed if id(p) in chosen else split.regular).append((name, p))
     return split
-
-
-def adamw_scale(level: int) -> float:
-    """alpha = 2^(level/2): GWT's step at AdamW's size, so that AdamW's lr carries over.
-
-    The orthonormal inverse returns the approximation's update to each entry
-    of its 2^level-block at 2^(-level/2) of AdamW's per-entry update on the
-    same gradients; this factor restores it (and scales the clipped details
-    with it). Measured at level 2 (docs/results/transfer-cpu.md).
-    """
-    return 2.0 ** (level / 2)
 
 
 def gwt_param_groups(

@@ -13,7 +13,11 @@ no optimizer object. The notation is the paper's (Wen et al., 2025, Alg. 1;
 3. Fira's norm-growth limiter :math:`r = \max(\|U\|_F/(s + 10^{-8}), \gamma)/\gamma`;
 4. :math:`\Delta = \alpha\,\mathrm{IDWT}([U, D_l/\mathrm{den}', \dots, D_1/\mathrm{den}'])/r`,
    with the normalized details clamped to :math:`[-c, c]` first where
-   ``detail_clip`` is set (``None`` is the paper's update);
+   ``detail_clip`` is set (``None`` is the paper's update). The transfer
+   rule is :math:`\alpha = 2^{l/2}` (:func:`adamw_scale`): the inverse
+   returns :math:`U` to each entry at :math:`2^{-l/2}` of AdamW's per-entry
+   update, so with it AdamW's lr and weight decay carry over (the paper's
+   recipe is :math:`\alpha = 0.25` at its own lr);
 5. :math:`W \leftarrow W(1 - \eta\lambda) - \eta\,c_t\,\Delta` with the
    family's step factor :math:`c_t`.
 
@@ -52,7 +56,7 @@ __all__ = [
     "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
     "adafactor_moments",
-    "adafactor_step_factor", "zeropower_via_newtonschulz", "adjust_lr_ratio", "compute_dtype",
+    "adafactor_step_factor", "zeropower_via_newtonschulz", "adamw_scale", "adjust_lr_ratio", "compute_dtype",
     "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
 ]  # fmt: skip
 
@@ -152,6 +156,17 @@ def direction(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, r: Tensor | f
     if coeffs is not None:
         return _reference_inverse(coeffs, U, den, r, clip) * alpha
     return _haar_delta(G, A, U, den, coef, level, clip)
+
+
+def adamw_scale(level: int) -> float:
+    """alpha = 2^(level/2), the transfer rule: GWT's step at AdamW's size, so that AdamW's lr carries over.
+
+    The orthonormal inverse returns the approximation's update to each entry
+    of its 2^level-block at 2^(-level/2) of AdamW's per-entry update on the
+    same gradients; this factor restores it (and scales the clipped details
+    with it). Measured at level 2 (docs/results/transfer-cpu.md).
+    """
+    return 2.0 ** (level / 2)
 
 
 def apply_update(W: Tensor, delta: Tensor, *, lr: float, weight_decay: float, step_size: float) -> None:
