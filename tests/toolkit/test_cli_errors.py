@@ -102,6 +102,20 @@ def test_impossible_numbers(tiny_argv, tmp_path, capsys, command, flag, value):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["lm", "--steps", "-1"], "--steps"), (["lm", "--scale", "-2"], "--scale"), (["lm", "--lrs", "1e-4,-1"], "--lrs"),
+    (["lm", "--batch-size", "0"], "--batch-size"), (["lm", "--val-fraction", "1"], "--val-fraction"),
+    (["glue", "--lr", "0"], "--lr"), (["glue", "--scale", "0"], "--scale"), (["glue", "--max-steps", "0"], "--max-steps"),
+    (["glue", "--epochs", "-1"], "--epochs"),
+])
+def test_finetune_refuses_impossible_numbers_before_loading_anything(tmp_path, capsys, argv, flag):
+    # --steps -1 used to reach the worker and end in an IndexError traceback
+    assert main(["finetune", *argv, "--out", str(tmp_path / "out")]) == 2
+    err = _error(capsys)
+    assert flag in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 # -------------------------------------------------------------------------- files
 
 

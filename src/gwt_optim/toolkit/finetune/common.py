@@ -395,3 +395,24 @@ def alpha_phrase(scale: float | None) -> str:
 
 def mib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def check_settings(settings: Any, *, counts: Sequence[str] = (), positive: Sequence[str] = (),
+                   non_negative: Sequence[str] = ()) -> None:
+    """A fine-tuning command's numbers by the toolkit's one rule (``--steps must be an integer >= 1, got -1``),
+    as a ``UsageError`` when the settings are made, before a model loads: ``counts`` are integers >= 1,
+    ``positive`` numbers > 0 and ``non_negative`` >= 0; a None (a setting left to its default rule) passes."""
+    from gwt_optim.toolkit.train import check_number
+
+    def check(name: str, value: Any, **bound: Any) -> None:
+        if value is not None:
+            check_number("--" + name.replace("_", "-"), value, **bound)
+
+    for name in counts:
+        check(name, getattr(settings, name), minimum=1, integer=True)
+    for name in positive:
+        value = getattr(settings, name)
+        for v in value if isinstance(value, tuple) else (value,):
+            check(name, v, minimum=0, strict=True)
+    for name in non_negative:
+        check(name, getattr(settings, name), minimum=0)

@@ -16,6 +16,7 @@ from gwt_optim.toolkit.finetune.common import (
     PeakMemory,
     atomic_write_json,
     atomic_write_text,
+    check_settings,
     optimizer_state_bytes,
     parse_methods,
     pick_device,
@@ -52,6 +53,13 @@ class GlueSettings:
     # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
     isolate: bool | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # max_steps -1: --epochs decides (transformers' convention)
+        check_settings(self, counts=("batch_size", "max_length", "max_train_samples", "max_eval_samples"),
+                       positive=("lr", "scale", "epochs"), non_negative=("warmup", "weight_decay"))
+        if self.max_steps != -1:
+            check_settings(self, counts=("max_steps",))
 
 
 def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSettings, work_dir: Path) -> dict:

@@ -17,6 +17,7 @@ from gwt_optim.toolkit.finetune.common import (
     PeakMemory,
     atomic_write_json,
     atomic_write_text,
+    check_settings,
     mib,
     optimizer_state_bytes,
     parse_methods,
@@ -36,6 +37,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
     resolve_model,
 )
 from gwt_optim.toolkit.finetune.lm_report import lm_report
+from gwt_optim.toolkit.errors import UsageError
 from gwt_optim.toolkit.train import IGNORE_INDEX, lock_run_dir, next_token_losses
 
 __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
@@ -84,6 +86,14 @@ class LMSettings:
     # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
     isolate: bool | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_settings(self, counts=("seq_len", "batch_size", "steps", "eval_batches"),
+                       positive=("lrs", "scale", "max_grad_norm"), non_negative=("warmup", "weight_decay"))
+        if not self.lrs:
+            raise UsageError("--lrs needs at least one learning rate")
+        if not 0 < self.val_fraction < 1:
+            raise UsageError(f"--val-fraction must be a number between 0 and 1, got {self.val_fraction!r}")
 
 
 def train_one(
