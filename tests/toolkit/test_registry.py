@@ -155,3 +155,17 @@ def test_every_toolkit_command_defaults_to_the_recipe():
         assert resolved["scale"] == pytest.approx(want), spec
     _, resolved = build_optimizer_for(model, TrainConfig(optimizer="gwt-adamw", scale=1.0).validate())
     assert resolved["scale"] == 1.0
+
+
+def test_gwt_adafactor_takes_the_lr_in_adamws_units_in_the_toolkit():
+    """The registry's gwt-adafactor steps by the lr itself (relative_step=False), as every toolkit lr is AdamW's;
+    the class keeps torch's relative step, and a spec asks for it by name."""
+    from gwt_optim.optim import GWTAdafactor
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+
+    model = _model()
+    for spec, want in (("gwt-adafactor", False), ("gwt-adafactor:relative_step=true", True)):
+        name, opts = parse_optimizer_arg(spec)
+        opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, options=opts))
+        assert {g["relative_step"] for g in opt.param_groups} == {want}, spec
+    assert GWTAdafactor([torch.nn.Parameter(torch.zeros(4, 8))]).defaults["relative_step"] is True

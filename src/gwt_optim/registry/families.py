@@ -124,8 +124,12 @@ _ADAFACTOR_KEYS = ("beta1", "detail_norm", "relative_step", "d", "beta2_decay", 
 @register(
     "gwt-adafactor",
     help="GWT-Adafactor: factored second moment of Haar approximation coefficients "
-    "(level, wavelet, beta1, detail_norm=clip|second_moment, relative_step, d)",
-    options={**GWT_OPTIONS, "norm_growth_limit": None, **dict.fromkeys(_ADAFACTOR_KEYS)},
+    "(level, wavelet, beta1, detail_norm=clip|second_moment, relative_step (default false: the lr in AdamW's "
+    "units), d)",
+    # relative_step=False, unlike the class (torch's default): every toolkit lr is in AdamW's units, and a step
+    # relative to each weight's RMS leaves embeddings (RMS ~0.02) all but frozen at AdamW's regular lr
+    # (docs/results/transfer-cpu.md, section 3).
+    options={**GWT_OPTIONS, "norm_growth_limit": None, **dict.fromkeys(_ADAFACTOR_KEYS), "relative_step": False},
 )
 def _gwt_adafactor(model: nn.Module, cfg: OptimizerConfig):
     from gwt_optim.groups import gwt_param_groups
