@@ -860,7 +860,8 @@ def render(report: dict[str, Any]) -> str:
         reach_s, speed = _reach_cells(reach, t.get("speedup"), t.get("n", 0) > 0 and P.finite(target_mean))
         state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
         per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
-        wd = t.get("best_wd", s.get("weight_decay"))
+        named = P.parse_spec(c)[1].get("weight_decay")  # a label may name its own (the transfer study's stage 5)
+        wd = t.get("best_wd", float(named) if named is not None else s.get("weight_decay"))
         lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {f(wd, '{:g}')} | {loss} | {delta} | {reach_s} | "
                      f"{speed} | {_speedup_cell(t.get('speedup_paired'))} | {state} | {per_seed} |")
     pairs = [(c, t["vs_family"]) for c, t in C.items() if t.get("vs_family")]

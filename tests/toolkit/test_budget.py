@@ -744,3 +744,21 @@ def test_a_signal_stops_every_stage_so_no_queued_run_starts_after_it(tmp_path):
     runner = next(iter(b.matchers.values()))
     assert runner.submit(job).result()["status"] == "skipped"  # nothing trains after the signal
     b.tuner.shutdown()
+
+
+def test_the_report_shows_the_weight_decay_a_label_names():
+    """A contender whose label names its weight decay (the transfer study's ``adamw:weight_decay=0.1``) shows it
+    in the reporting table; the runs' config, and so the other rows, have 0."""
+    out = _report(2.5, 3.2)
+    out["contenders"]["adamw:weight_decay=0.1"] = {**out["contenders"]["adamw"]}
+    B.analyse(out, 0.3)
+    out.update(setting=_SETTING, train_tokens=1, beta2s=[0.999], jobs=1, threads=1, command="c", environment={},
+               weight_decay=0.0)
+    for t in out["contenders"].values():
+        t.setdefault("std", 0.0)
+        t.setdefault("n", len(t["runs"]))
+    text = B.render({**out, "budget": {**out, "tokens_per_step": 1, "steps": 2, "tune_steps": 1, "regular_lr": 3e-3,
+                                        "grids": {}, "tune_seeds": [0], "report_seeds": [1, 2]}})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[2] for line in text.splitlines()
+            if line.startswith("| adamw") and " | 0.003 | " in line}
+    assert rows == {"adamw": "0", "adamw:weight_decay=0.1": "0.1"}
