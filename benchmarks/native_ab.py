@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from step import environment, llama_shapes  # noqa: E402
 
 from gwt_optim import GWTAdamW  # noqa: E402
-from gwt_optim.optim import _native, _toolchain  # noqa: E402
+from gwt_optim import _toolchain
+from gwt_optim.optim import _native  # noqa: E402
 
 SOURCE = "src/gwt_optim/optim/_fused_cpu.c"
 

@@ -1,7 +1,7 @@
 """The seams of the fused kernels' modules (issue 17, item 3).
 
-``_toolchain`` builds, caches and loads a C library and knows nothing of what
-it computes; ``_native`` is the ctypes backend over ``_fused_cpu.c``;
+``gwt_optim._toolchain`` builds, caches and loads a C library and knows nothing
+of what it computes; ``_native`` is the ctypes backend over ``_fused_cpu.c``;
 ``_fused`` is the protocol, the state checks and the choice of a backend, and
 the one module the optimizers import. The lower modules never import the
 higher ones. ``_family`` holds what the family modules share.
@@ -21,15 +21,16 @@ import torch
 
 import gwt_optim
 from gwt_optim import GWTMuon
-from gwt_optim.optim import _family, _fused, _native, _toolchain
+from gwt_optim import _toolchain
+from gwt_optim.optim import _family, _fused, _native
 
 OPTIM = Path(_fused.__file__).parent
 
 
-def _imported(module: str) -> set[str]:
-    """The gwt_optim modules a file of gwt_optim.optim imports, at any depth
-    in the file (lazy imports count: they close loops too)."""
-    tree = ast.parse((OPTIM / f"{module}.py").read_text())
+def _imported(module: str, folder: Path = OPTIM) -> set[str]:
+    """The gwt_optim modules a file of gwt_optim.optim (or of ``folder``)
+    imports, at any depth in the file (lazy imports count: they close loops too)."""
+    tree = ast.parse((folder / f"{module}.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gwt_optim"):
@@ -41,11 +42,12 @@ def _imported(module: str) -> set[str]:
 
 
 def test_the_lower_modules_do_not_import_the_higher_ones():
-    toolchain = _imported("_toolchain")
+    # The build toolchain sits beside the cache rule, below the optimizers (as torch.utils.cpp_extension).
+    toolchain = _imported("_toolchain", OPTIM.parent)
     assert toolchain == {"gwt_optim", "gwt_optim._cache"}  # only the one cache rule
     native = _imported("_native")
     assert not any("_fused" in name for name in native), native
-    assert "gwt_optim.optim._toolchain" in native
+    assert "gwt_optim._toolchain" in native
     assert _imported("_family") == set()  # the families import it; it imports none of them
     # The updates' one statement stands on the transform alone: no optimizer, no backend.
     assert _imported("functional") == {"gwt_optim", "gwt_optim.wavelets"}

@@ -18,6 +18,8 @@ PACKAGE = SRC / "gwt_optim"
 CORE = (
     "gwt_optim.optim",
     "gwt_optim.wavelets",
+    "gwt_optim._toolchain",
+    "gwt_optim._cache",
     "gwt_optim.groups",
     "gwt_optim.backward",
     "gwt_optim.memory",
@@ -253,6 +255,7 @@ print(json.dumps({"loaded": loaded, "names": sorted(REGISTRY), "built": built,
 # layer and the layers below it, never one above.
 LAYERS = [
     ("gwt_optim.wavelets", "gwt_optim._cache"),
+    ("gwt_optim._toolchain",),  # builds and loads C through the cache rule (as torch.utils.cpp_extension)
     ("gwt_optim.optim",),
     ("gwt_optim.groups", "gwt_optim.backward"),
     ("gwt_optim.registry",),

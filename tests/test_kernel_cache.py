@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _native, _toolchain
+from gwt_optim import _toolchain
+from gwt_optim.optim import _native
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership and permissions")
 

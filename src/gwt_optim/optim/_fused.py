@@ -1,18 +1,15 @@
-r"""GWT-AdamW's fused backends as the optimizer sees them: the protocol they
+"""GWT-AdamW's fused backends as the optimizer sees them: the protocol they
 follow, torch's own kernel for the plain level-0 step, and :class:`Kernels`,
 which builds the backends a ``backend=`` option names and remembers what
 failed. Which backend a parameter takes is decided in one place,
 :func:`gwt_optim.optim._backends.choose`.
 
-The kernels compute the closed-form Haar step of
-:func:`gwt_optim.optim.functional.gwt_adamw` in two passes over memory,
-phase 1 (A_l, the moments, the limiter's ||U||^2) and phase 2 (the weight
-update), with only the limiter's scalar (and, under FSDP2, its all-reduce)
-between them; they are tested against that function. ``"native"`` (CPU) is a
-small C library (:mod:`._native`, built by :mod:`._toolchain`); ``"triton"``
-(CUDA) runs a bucket of weights in three launches (:mod:`._triton`, imported
-only when selected). A gradient holding a NaN or an infinity leaves that
-parameter's weight and state unchanged on every backend.
+The kernels run :func:`gwt_optim.optim.functional.gwt_adamw`'s closed-form
+Haar step in two passes over memory (phase 1: A_l, the moments and the
+limiter's ||U||^2; phase 2: the weight), and are tested against it:
+``"native"`` on CPU (:mod:`._native`), ``"triton"`` on CUDA (:mod:`._triton`,
+imported only when selected). A gradient holding a NaN or an infinity leaves
+that parameter's weight and state unchanged on every backend.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from torch import Tensor
 
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, Capabilities, check_pointers
 from gwt_optim.optim._native import NativeBackend, native_library
-from gwt_optim.optim._toolchain import KernelUnavailable
+from gwt_optim._toolchain import KernelUnavailable
 
 __all__ = ["BACKENDS", "BACKEND_OPTIONS", "FusedBackend", "FusedAdamWBackend", "KernelUnavailable", "Kernels",
            "all_finite", "backend_option", "native_library"]
@@ -178,20 +175,12 @@ class Kernels:
         """The backend ``name``, built once, or None where it failed to build."""
         if name == FusedAdamWBackend.name:
             return self._plain_cpu
-        if name in self._backends or name in self._failed:
-            return self._backends.get(name)
-        try:
-            backend = BACKENDS[name]()
-        except Exception as exc:  # a missing compiler, a failed build, no triton
-            if self.strict and last:
-                raise
-            if last:
-                warnings.warn(f"GWT-AdamW: the fused '{name}' kernels are unavailable ({exc}); using the eager path",
-                              RuntimeWarning, stacklevel=4)
-            self._fail(name)
-            return None
-        self._backends[name] = backend
-        return backend
+        if name not in self._backends and name not in self._failed:
+            try:
+                self._backends[name] = BACKENDS[name]()
+            except Exception as exc:  # a missing compiler, a failed build, no triton
+                self._fail(name, last, exc, "are unavailable", warn=last)
+        return self._backends.get(name)
 
     def prepare(self, backend: Any, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int, last: bool) -> bool:
         """Build or compile what this parameter needs, before any state
@@ -199,17 +188,22 @@ class Kernels:
         try:
             backend.prepare(w, G, moment_dtype, level)
         except Exception as exc:  # e.g. no C compiler, or Triton fails to build
-            if self.strict and last:
-                raise KernelUnavailable(f"compiling the fused '{backend.name}' kernels failed: {exc}; pass "
-                                        "backend='eager' to use the eager path") from exc
-            warnings.warn(f"GWT-AdamW: compiling the fused '{backend.name}' kernels failed ({exc}); using "
-                          + ("the eager path" if last else "the next backend"), RuntimeWarning, stacklevel=4)
-            self._fail(backend.name)
+            self._fail(backend.name, last, exc, "failed to compile", warn=True)
             return False
         return True
 
-    def _fail(self, name: str) -> None:
-        """Remember that ``name`` failed, and forget the answers that may name it."""
+    def _fail(self, name: str, last: bool, exc: Exception, what: str, warn: bool) -> None:
+        """A failure of the last candidate is an error under a strict option;
+        otherwise it is remembered (with a warning if ``warn``), and the
+        answers that may name the backend are forgotten."""
+        if self.strict and last:
+            if isinstance(exc, KernelUnavailable):
+                raise exc
+            raise KernelUnavailable(f"the fused '{name}' kernels {what}: {exc}; pass backend='eager' to use the "
+                                    "eager path") from exc
+        if warn:
+            warnings.warn(f"GWT-AdamW: the fused '{name}' kernels {what} ({exc}); using "
+                          + ("the eager path" if last else "the next backend"), RuntimeWarning, stacklevel=5)
         self._failed.add(name)
         self._backends.pop(name, None)
         self.routes.clear()

@@ -1,8 +1,9 @@
 /*
  * Fused CPU kernels of the GWT-AdamW step with the Haar wavelet.
  *
- * Built on first use by gwt_optim.optim._fused with the system C compiler
- * (what torch.compile needs on CPU too) and called through ctypes. For rows
+ * Built on first use by gwt_optim._toolchain with the system C compiler
+ * (what torch.compile needs on CPU too) and called through ctypes
+ * (gwt_optim.optim._native). For rows
  * of n entries cut into blocks of B = 2^level columns (the last block
  * zero-padded), with h = 2^(-level/2):
  *
@@ -75,7 +76,7 @@ typedef struct {
     gwt_hyper hyper;    /* hyper.scale is before the division by r */
 } gwt_task;
 
-/* Fira's norm-growth limiter, as _base.GWTOptimizer._limit: r, and s <- norm / r.
+/* Fira's norm-growth limiter, as functional.limiter_ratio: r, and s <- norm / r.
  * No norm recorded yet (a first step, or only skipped non-finite ones) starts
  * the limiter. */
 static double limiter_ratio(const gwt_task *task, double norm_sq, double *s) {

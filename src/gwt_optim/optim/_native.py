@@ -1,24 +1,10 @@
-r"""The ``"native"`` backend: the C kernels of ``_fused_cpu.c`` through :mod:`ctypes`.
-
-The two phases of the step (see :mod:`gwt_optim.optim._fused`) are C
-functions, built on first use by :mod:`gwt_optim.optim._toolchain` and run on
-the OpenMP thread pool torch already uses. Phase 1 also stores :math:`d` and
-:math:`h (M-A) d` in an :math:`A`-sized workspace, so phase 2 is a single
-multiply-add pass, run right after phase 1 while the gradient and the
-workspace are still in cache: the step reads :math:`G` and :math:`W` from
-memory once (about 16 bytes per fp32 parameter at level 2, against AdamW's
-28). The whole steps of all parameters that need no collective run in one
-call, each parameter on one thread when there are at least two per thread
-(one OpenMP fork and join per optimizer step; a per-tensor parallel loop
-stalls at every join when other processes hold a core), each thread's phase 2
-interleaved with the next parameter's phase 1. float32 and float64, and bf16
-weights and gradients with float32 moments (levels up to 11: rows are
-converted in segments of whole blocks); float32 blocks of 2 and 4 entries use
-AVX2 where the CPU has it.
-
-This module holds the library's interface (the ctypes mirrors of its structs
-and the signatures of its functions) and :class:`NativeBackend`, which follows
-:class:`~gwt_optim.optim._fused.FusedBackend`.
+"""The ``"native"`` backend: the C kernels of ``_fused_cpu.c`` through :mod:`ctypes`,
+built on first use by :mod:`gwt_optim._toolchain` and run on the OpenMP thread
+pool torch already uses. The kernels' design (the two phases and their
+workspace, the pipelined batched step, bf16 row segments, AVX2 blocks) is
+stated once, in the C file's header. This module holds the library's
+interface (the ctypes mirrors of its structs and its functions' signatures)
+and :class:`NativeBackend`, which follows :class:`~gwt_optim.optim._fused.FusedBackend`.
 """
 
 from __future__ import annotations
@@ -27,7 +13,6 @@ import ctypes
 import dataclasses
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
@@ -35,7 +20,7 @@ from typing import Hashable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim import _toolchain
+from gwt_optim import _toolchain
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, check_pointers
 
 __all__ = ["NativeBackend", "native_library"]
@@ -84,9 +69,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def native_library() -> ctypes.CDLL:
     """Build (once per host and source version) and load the fused CPU
-    kernels, once per process: :func:`gwt_optim.optim._toolchain.load_library`
+    kernels, once per process: :func:`gwt_optim._toolchain.load_library`
     says how the build is cached and checked. Raises
-    :class:`~gwt_optim.optim._toolchain.KernelUnavailable` when there is no C
+    :class:`~gwt_optim._toolchain.KernelUnavailable` when there is no C
     compiler or no flag set compiles."""
     return _toolchain.load_library(_SOURCE, "adamw_haar", _bind)
 
@@ -114,17 +99,6 @@ def _rows(G: Tensor) -> tuple[int, int, int]:
     """(rows, n, numel) of a weight or gradient, rows of its last axis."""
     n, numel = G.shape[-1], G.numel()
     return (numel // n if n else 0), n, numel
-
-
-class _NativeCarry:
-    """What native phase 1 leaves for phase 2: the (d, t) workspace, as the
-    buffer holding it and two addresses, and the hyperparameters."""
-
-    __slots__ = ("buffer", "d", "t", "hyper", "m", "__weakref__")
-
-    def __init__(self, buffer: Tensor, d: int, t: int, hyper: _Hyper, m: int) -> None:
-        # m: the first moment's address, which the clipped phase 2 reads
-        self.buffer, self.d, self.t, self.hyper, self.m = buffer, d, t, hyper, m
 
 
 @dataclass
@@ -168,25 +142,9 @@ class NativeBackend:
         # limiter eps the task arrays were made for, and the arrays.
         self._plans: dict[Hashable, tuple[list, tuple, list[_NativeTasks]]] = {}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
-        # One workspace per dtype, reused by every parameter whose phase 2 runs
-        # before the next phase 1 (all but FSDP2's): fresh A-sized allocations
-        # on every step would page-fault on each use. _owner is the carry
-        # using it; while that carry waits for its phase 2, others get their own.
-        self._workspace: dict[torch.dtype, Tensor] = {}
-        self._owner: dict[torch.dtype, weakref.ref] = {}
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to do: the library was built in ``__init__``."""
-
-    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, bool]:
-        """A workspace of numel entries, and whether it is the shared one."""
-        owner = self._owner.get(dtype)
-        if owner is not None and owner() is not None:
-            return torch.empty(numel, dtype=dtype), False
-        buf = self._workspace.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = self._workspace[dtype] = torch.empty(numel, dtype=dtype)
-        return buf, True
 
     @staticmethod
     def _threads(numel: int, rows: int) -> int:
@@ -288,32 +246,23 @@ class NativeBackend:
         M, V = state["exp_avg"], state["exp_avg_sq"]
         check_pointers(self.name, G, G, state, level)  # the weight is checked in phase2
         rows, n, numel = _rows(G)
-        buf, shared = self._buffer(2 * M.numel(), M.dtype)
-        d = buf.data_ptr()
-        t = d + M.numel() * buf.element_size()
-        hyper = _hyper(group, level, step)
-        norm_sq = self._phase1[G.dtype](G.data_ptr(), M.data_ptr(), V.data_ptr(), d, t, rows, n, level,
-                                        ctypes.byref(hyper), self._threads(numel, rows))
-        carry = _NativeCarry(buf, d, t, hyper, M.data_ptr())
-        if shared:
-            self._owner[M.dtype] = weakref.ref(carry)
-        return norm_sq, carry
+        # The carry to phase 2 (which runs after the limiter's all-reduce): the (d, t) workspace, the
+        # hyperparameters and the first moment, which the clipped phase 2 reads.
+        buf, hyper = torch.empty(2 * M.numel(), dtype=M.dtype), _hyper(group, level, step)
+        norm_sq = self._phase1[G.dtype](G.data_ptr(), M.data_ptr(), V.data_ptr(), buf.data_ptr(),
+                                        buf[M.numel():].data_ptr(), rows, n, level, ctypes.byref(hyper),
+                                        self._threads(numel, rows))
+        return norm_sq, (buf, hyper, M)
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: _NativeCarry, r, scale: float, decay: float) -> None:
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: tuple, r, scale: float, decay: float) -> None:
         check_pointers(self.name, w, G, None, level)
+        buf, hyper, M = carry
         rows, n, numel = _rows(G)
-        hyper = carry.hyper
-        hyper.scale = scale / float(r)
-        hyper.decay = decay
-        threads = self._threads(numel, rows)
+        hyper.scale, hyper.decay = scale / float(r), decay
+        d, t = buf.data_ptr(), buf[M.numel():].data_ptr()
         if hyper.clip > 0:
-            self._phase2_clip[w.dtype](
-                w.data_ptr(), G.data_ptr(), carry.m, carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
-            )
+            self._phase2_clip[w.dtype](w.data_ptr(), G.data_ptr(), M.data_ptr(), d, t, rows, n, level,
+                                       ctypes.byref(hyper), self._threads(numel, rows))
         else:
-            self._phase2[w.dtype](
-                w.data_ptr(), G.data_ptr(), carry.d, carry.t, rows, n, level, ctypes.byref(hyper), threads
-            )
-        owner = self._owner.get(carry.buffer.dtype)
-        if owner is not None and owner() is carry:
-            del self._owner[carry.buffer.dtype]
+            self._phase2[w.dtype](w.data_ptr(), G.data_ptr(), d, t, rows, n, level, ctypes.byref(hyper),
+                                  self._threads(numel, rows))
