@@ -119,7 +119,7 @@ class Bucket:
     of one group and step count whose alpha is all the group's or all 1.
 
     While a step plan holds, the backend gets the same list of the same
-    Buckets on every step under the plan's key, only ``step``, ``scale``,
+    Buckets on every step under the plan's key, only ``step``, ``step_size``,
     ``decay`` and ``grads`` new, so it may keep what it derives from them by
     the list's identity: the plan has checked the parameters (address, shape,
     strides, dtype, device) and the state tensors (the same, at the same
@@ -135,7 +135,7 @@ class Bucket:
     states: list[dict] = field(default_factory=list)
     levels: list[int] = field(default_factory=list)  # the group's level; 0 for fewer than two dimensions
     limited: list[bool] = field(default_factory=list)  # whether the limiter applies
-    scale: float = 0.0  # alpha * lr * step factor
+    step_size: float = 0.0  # alpha * lr * step factor (alpha alone is a group's "scale")
     decay: float = 1.0  # 1 - lr * weight_decay
 
 

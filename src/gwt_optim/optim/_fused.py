@@ -54,9 +54,9 @@ class FusedBackend(Protocol):
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int) -> tuple[float | Tensor, Any]:
         """Update the moments (a finite gradient); the limiter's ||U||^2 and a carry."""
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, scale: float,
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, step_size: float,
                decay: float) -> None:
-        """``w <- w * decay - scale / r * delta``, right after phase 1 or later."""
+        """``w <- w * decay - step_size / r * delta``, right after phase 1 or later."""
 
 
 class FusedAdamWBackend:

@@ -86,12 +86,12 @@ _PIPELINE_WORKSPACE_BYTES = 256 << 20
 _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
-def _hyper(group: dict, level: int, step: int, scale: float = 0.0, decay: float = 0.0) -> _Hyper:
+def _hyper(group: dict, level: int, step: int, step_size: float = 0.0, decay: float = 0.0) -> _Hyper:
     """The kernels' hyperparameters of a step of ``group`` at ``level`` (detail_clip 0 when off)."""
     beta1, beta2 = group["betas"]
     clip = group.get("detail_clip")
     h = 2.0 ** (-level / 2)
-    return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=scale,
+    return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=step_size,
                   decay=decay, clip=0.0 if clip is None else float(clip))
 
 
@@ -223,7 +223,7 @@ class NativeBackend:
                 # at level 0, its matrices at its level).
                 hyper = hypers.get((id(b), level))
                 if hyper is None:
-                    hyper = hypers[id(b), level] = _hyper(b.group, level, b.step, b.scale, b.decay)
+                    hyper = hypers[id(b), level] = _hyper(b.group, level, b.step, b.step_size, b.decay)
                 task.hyper = hyper
                 w, g = b.params[i], b.grads[i]  # a new gradient on most steps: its layout is checked every time
                 if not (g.is_contiguous() and g.shape == w.shape and g.dtype == w.dtype):
@@ -254,11 +254,11 @@ class NativeBackend:
                                         self._threads(numel, rows))
         return norm_sq, (buf, hyper, M)
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: tuple, r, scale: float, decay: float) -> None:
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: tuple, r, step_size: float, decay: float) -> None:
         check_pointers(self.name, w, G, None, level)
         buf, hyper, M = carry
         rows, n, numel = _rows(G)
-        hyper.scale, hyper.decay = scale / float(r), decay
+        hyper.scale, hyper.decay = step_size / float(r), decay
         d, t = buf.data_ptr(), buf[M.numel():].data_ptr()
         if hyper.clip > 0:
             self._phase2_clip[w.dtype](w.data_ptr(), G.data_ptr(), M.data_ptr(), d, t, rows, n, level,

@@ -459,7 +459,7 @@ class TritonBackend:
                 self._point_grads(bucket, grads)
             count = self._count(bucket.device, counts)
             hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited)
-            self._launch(bucket, hyper, entry.level, entry.kinds, batch.scale, batch.decay, entry.limited,
+            self._launch(bucket, hyper, entry.level, entry.kinds, batch.step_size, batch.decay, entry.limited,
                          limiter_eps, count)
         return tuple(counts)
 
@@ -477,7 +477,7 @@ class TritonBackend:
         )
         return bucket.norm_sq[0], (bucket, hyper, state)
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, scale: float, decay: float) -> None:
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, step_size: float, decay: float) -> None:
         reduced, hyper, state = carry
         # The phase-1 table pointed W at G (phase 1 does not know W); this one points at W.
         kinds = (w.dtype, G.dtype, state["exp_avg"].dtype)
@@ -486,7 +486,7 @@ class TritonBackend:
             reduced.inv_r[0].copy_(r.reciprocal())
         else:
             reduced.inv_r[0].fill_(1.0 / r)
-        self._launch_phase2(bucket, hyper, level, kinds, scale, decay, reduced.inv_r, reduced.skip)
+        self._launch_phase2(bucket, hyper, level, kinds, step_size, decay, reduced.inv_r, reduced.skip)
 
     def invalidate(self) -> None:
         """Forget every cached table (they are also rebuilt when a pointer changes)."""
@@ -655,19 +655,19 @@ class TritonBackend:
             ALIGNED=bucket.aligned, num_warps=self.num_warps,
         )
 
-    def _launch_phase2(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float,
+    def _launch_phase2(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, step_size: float,
                        decay: float, inv_r: Tensor, skip: Tensor) -> None:
         if bucket.n_chunks == 0:
             return
         wdt, gdt, mdt = kinds
         _launch_phase2(
             (bucket.n_chunks,), bucket.ptrs, bucket.geom, bucket.chunks, inv_r, skip,
-            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(scale), float(decay), hyper.clip,
+            hyper.h, hyper.w1, hyper.beta2, hyper.w2, hyper.eps2, float(step_size), float(decay), hyper.clip,
             B=1 << level, TB=self._tb(level), W_KIND=_KIND[wdt], G_KIND=_KIND[gdt], M_KIND=_KIND[mdt],
             ALIGNED=bucket.aligned, num_warps=self.num_warps,
         )
 
-    def _launch(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, scale: float, decay: float,
+    def _launch(self, bucket: _Bucket, hyper: _Hyper, level: int, kinds: tuple, step_size: float, decay: float,
                 limited: bool, limiter_eps: float, count: Tensor) -> None:
         self._launch_phase1(bucket, hyper, level, kinds, limited)
         _launch_limiter(
@@ -675,7 +675,7 @@ class TritonBackend:
             bucket.norm_sq, count, hyper.gamma, float(limiter_eps), hyper.first,
             RB=_LIMITER_BLOCK, MODE=1 if limited else 0,
         )
-        self._launch_phase2(bucket, hyper, level, kinds, scale, decay, bucket.inv_r, bucket.skip)
+        self._launch_phase2(bucket, hyper, level, kinds, step_size, decay, bucket.inv_r, bucket.skip)
 
 
 def backend_info() -> dict[str, Any]:

@@ -243,12 +243,12 @@ def validate_optimizer_spec(text: str) -> None:
 
 def recipe_scale(name: str, options: dict[str, Any] | None = None) -> float:
     """The alpha of the recipe "keep your AdamW lr and weight decay" for registry entry ``name``:
-    :func:`gwt_optim.groups.adamw_scale` of the level for a GWT family (every entry with a ``level``
+    :func:`gwt_optim.optim.functional.adamw_scale` of the level for a GWT family (every entry with a ``level``
     option), 1 for any other optimizer, whose update is already at AdamW's size. Measured for GWT-AdamW
     (docs/results/transfer-cpu.md); GWT-Muon, whose step's size Newton-Schulz sets, does not take AdamW's lr
     with it (nor with 1: its tuned lr is 5x AdamW's at alpha 1), and keeps 2^(l/2) all the same: one alpha
     for every family, as :func:`gwt_optim.groups.gwt_param_groups` (which does not know the family) gives."""
-    from gwt_optim.groups import adamw_scale
+    from gwt_optim.optim.functional import adamw_scale
 
     if name not in REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(sorted(REGISTRY))}")
