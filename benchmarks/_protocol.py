@@ -665,8 +665,8 @@ def build_parser(description: str, *, mode: str) -> argparse.ArgumentParser:
     g.add_argument("--levels", default=REGIME_LEVELS, help=f"regime GWT levels (default {REGIME_LEVELS})")
     g.add_argument("--eps", default=REGIME_EPS, help=f"regime eps values (default {REGIME_EPS})")
     g.add_argument("--gwt-options", default="", metavar="K=V:...",
-                   help="options appended to the specs of the GWT families that take them, e.g. compile=false "
-                   "(eager steps: no torch.compile in every short run); not part of the labels")
+                   help="options appended to the specs of the GWT families that take them, e.g. backend=eager "
+                   "(no kernel build in every short run); not part of the labels")
     g = p.add_argument_group("protocol")
     g.add_argument("--lrs", default=DEFAULT_LRS, help=f"the lr grid, the same for all (default {DEFAULT_LRS})")
     g.add_argument("--tune-seeds", default="0", help="seeds of the grid search (default 0)")

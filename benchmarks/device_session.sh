@@ -73,7 +73,7 @@ part_A() {
   EXTRA="gwt-adamw:level=2:detail_clip=0.25,gwt-adamw:level=2:detail_clip=1"
   stamp "A. protocol started (deadline ${SWEEP_S} s, ${JOBS} jobs)"
   "$PY" benchmarks/quality.py --tokens-per-step 8192,2048 --regime --extra "$EXTRA" \
-    --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options compile=false \
+    --device "$DEVICE" --jobs "$JOBS" --threads 1 --resume --gwt-options backend=eager \
     --commit "$COMMIT" --deadline "$SWEEP_S" --grace 40 --out "$Q" ${STEPS:+--steps $STEPS} \
     > "$WORK/quality.log" 2>&1 &
   SWEEP=$!

@@ -72,8 +72,8 @@ class TritonChecks:
     """One problem (weights, five steps of gradients, learning rates) and the
     checks that run on it; each check appends its rows to :attr:`rows`.
 
-    On ``"cpu"`` (the rehearsal) the shapes are tiny and ``compile="triton"``
-    is forced; on CUDA the default (``compile=None``) must pick Triton itself.
+    On ``"cpu"`` (the rehearsal) the shapes are tiny and ``backend="triton"``
+    is forced; on CUDA the default (``backend="auto"``) must pick Triton itself.
     """
 
     def __init__(self, device: str) -> None:
@@ -81,7 +81,7 @@ class TritonChecks:
 
         self.device = device
         self.tiny = device == "cpu"
-        self.compile_opt = "triton" if self.tiny else None
+        self.backend = "triton" if self.tiny else "auto"
         self.rows: list[Row] = []
         torch.manual_seed(0)
         if self.tiny:
@@ -126,8 +126,8 @@ class TritonChecks:
 
     def fp32(self, level: int, **kw) -> None:
         opts: list = []
-        got = self.train(level=level, compile=self.compile_opt, opt_out=opts, **kw)
-        want = self.train(level=level, compile=False, **kw)
+        got = self.train(level=level, backend=self.backend, opt_out=opts, **kw)
+        want = self.train(level=level, backend="eager", **kw)
         err = rel(got, want)
         self.record(f"fp32 level {level}{' ' + str(kw) if kw else ''}: triton == eager", err, 1e-5,
                     err <= 1e-5 and self.backends(opts[0]) == ["triton"], f"backends {self.backends(opts[0])}")
@@ -136,8 +136,8 @@ class TritonChecks:
         import torch
 
         for md in (None, "bfloat16"):
-            got = self.train(torch.bfloat16, level=2, compile=self.compile_opt, moment_dtype=md)
-            want = self.train(torch.bfloat16, level=2, compile=False, moment_dtype=md)
+            got = self.train(torch.bfloat16, level=2, backend=self.backend, moment_dtype=md)
+            want = self.train(torch.bfloat16, level=2, backend="eager", moment_dtype=md)
             same = sum((a == b).sum().item() for a, b in zip(got, want)) / sum(a.numel() for a in got)
             err = rel(got, want)
             self.record(f"bf16 weights, {md or 'fp32'} moments: share of entries bitwise equal to eager", same, 0.99,
@@ -154,7 +154,7 @@ class TritonChecks:
                 p.grad = g.clone()
             ref.step()
         opts: list = []
-        got = self.train(level=0, scale=1.0, norm_growth_limit=None, compile=self.compile_opt, opt_out=opts)
+        got = self.train(level=0, scale=1.0, norm_growth_limit=None, backend=self.backend, opt_out=opts)
         err = rel(got, [p.detach() for p in params])
         self.record("level 0 (Triton, b = 1) == torch.optim.AdamW", err, 1e-5, err <= 1e-5,
                     f"backends {self.backends(opts[0])}")
@@ -165,7 +165,7 @@ class TritonChecks:
         from gwt_optim import GWTAdamW
 
         params = [torch.nn.Parameter(w.clone()) for w in self.W0]
-        opt = GWTAdamW(params, lr=1e-2, level=2, compile=self.compile_opt)
+        opt = GWTAdamW(params, lr=1e-2, level=2, backend=self.backend)
         for p, g in zip(params, self.grads[0]):
             p.grad = g.clone()
         opt.step()
@@ -200,7 +200,7 @@ class TritonChecks:
             return wrapped
 
         params = [torch.nn.Parameter(w.clone()) for w in self.W0]
-        opt = GWTAdamW(params, lr=1e-2, level=2, compile=self.compile_opt)
+        opt = GWTAdamW(params, lr=1e-2, level=2, backend=self.backend)
         for t in range(2):
             for p, g in zip(params, self.grads[t]):
                 p.grad = g.clone()
@@ -244,8 +244,8 @@ class TritonChecks:
         originals = {k: getattr(_triton, k) for k in _launch_names()}
         each = [torch.nn.Parameter(w.clone()) for w in self.W0]
         whole = [torch.nn.Parameter(w.clone()) for w in self.W0]
-        opt_each = GWTAdamW(each, lr=1e-2, level=2, compile=self.compile_opt)
-        opt_whole = GWTAdamW(whole, lr=1e-2, level=2, compile=self.compile_opt)
+        opt_each = GWTAdamW(each, lr=1e-2, level=2, backend=self.backend)
+        opt_whole = GWTAdamW(whole, lr=1e-2, level=2, backend=self.backend)
 
         def step(t):
             for p, q, g in zip(each, whole, self.grads[t]):
@@ -293,10 +293,10 @@ class TritonChecks:
         G = torch.randn(rows_, n, device=dev, dtype=torch.bfloat16)
         pick = [0, 1, rows_ // 2, rows_ - 2, rows_ - 1]
         small = torch.nn.Parameter(W.detach()[pick].clone())
-        opt = GWTAdamW([W], lr=1e-2, level=2, norm_growth_limit=None, compile=self.compile_opt)
+        opt = GWTAdamW([W], lr=1e-2, level=2, norm_growth_limit=None, backend=self.backend)
         W.grad = G
         opt.step()
-        ref = GWTAdamW([small], lr=1e-2, level=2, norm_growth_limit=None, compile=False)
+        ref = GWTAdamW([small], lr=1e-2, level=2, norm_growth_limit=None, backend="eager")
         small.grad = G[pick].clone()
         ref.step()
         got = W.detach()[pick]
@@ -409,7 +409,7 @@ def run_older(device: str = "cuda") -> tuple[list[tuple[str, float, float, str]]
     compile_s = time.perf_counter() - t0
     backends = sorted(opt._kernels._backends) if opt._kernels else []
     record(f"fused ({'+'.join(backends) or 'none'}) == reference, level 2", rel(fused, reference), 1e-4)
-    eager, _ = run(level=2, compile=False)
+    eager, _ = run(level=2, backend="eager")
     record("eager fast == reference, level 2", rel(eager, reference), 1e-4)
     for level in (1, 3):
         a, _ = run(level=level, compile=True)

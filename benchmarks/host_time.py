@@ -144,7 +144,7 @@ def main() -> None:
     print("| optimizer | dtype | gradients | host ms/step | launches/step | parameters |")
     print("|---|---|---|---:|---:|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        triton = lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="triton")  # noqa: E731
+        triton = lambda p: GWTAdamW(p, lr=1e-3, level=args.level, backend="triton")  # noqa: E731
         where = "CUDA" if cuda else "CPU, computes"
         cases = [
             (f"GWT-AdamW l={args.level} (triton{mocked})", "fixed", triton),
@@ -158,7 +158,7 @@ def main() -> None:
         ]
         if not cuda:
             cases.append((f"GWT-AdamW l={args.level} (native, computes)", "fixed",
-                          lambda p: GWTAdamW(p, lr=1e-3, level=args.level, compile="native")))
+                          lambda p: GWTAdamW(p, lr=1e-3, level=args.level, backend="native")))
         for label, grad_kind, make in cases:
             params = parameters(args.shrink, dtype, device=args.device)
             gen = torch.Generator().manual_seed(1)

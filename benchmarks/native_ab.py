@@ -67,7 +67,7 @@ def optimizer(kind: str, shapes: list, lib: ctypes.CDLL | None, warmup: int):
     if lib is None:
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     else:
-        opt = GWTAdamW(params, lr=1e-3, compile="native", detail_clip=None if kind == "paper" else 0.5)
+        opt = GWTAdamW(params, lr=1e-3, backend="native", detail_clip=None if kind == "paper" else 0.5)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     if lib is not None:

@@ -102,10 +102,10 @@ def _cases(device: str) -> list[Case]:
         # The default on CUDA when triton imports; named, so that a fallback shows as an error.
         for level in (1, 2, 3):
             cases.append(Case(f"GWT-AdamW l={level} (triton)",
-                              lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, compile="triton"), level=level))
+                              lambda p, lv=level: GWTAdamW(p, lr=1e-3, level=lv, backend="triton"), level=level))
     # The default above uses the fused kernels (native C on CPU, Triton on CUDA);
     # "(eager)" is the same closed form as plain tensor operations.
-    cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, compile=False), level=2))
+    cases.append(Case("GWT-AdamW l=2 (eager)", lambda p: GWTAdamW(p, lr=1e-3, level=2, backend="eager"), level=2))
     # The paper's update: the default's detail clip off (a lighter phase 2).
     cases.append(Case("GWT-AdamW l=2 (paper)", lambda p: GWTAdamW(p, lr=1e-3, level=2, detail_clip=None), level=2))
     for level in (1, 2, 3):

@@ -37,8 +37,8 @@ and inputs that become duplicates are dropped):
 =================  ===========  =========================================
 entry              mirrors      fixed kwargs
 =================  ===========  =========================================
-``GWTAdamW``       AdamW        (none: ``compile=None``, fused CPU kernel)
-``GWTAdamW_eager`` AdamW        ``compile=False``
+``GWTAdamW``       AdamW        (none: ``backend="auto"``, fused CPU kernel)
+``GWTAdamW_eager`` AdamW        ``backend="eager"``
 ``GWTMuon``        Muon         (none: ``use_muon=True``, 2-D only)
 ``GWTMuon_adamw``  AdamW        ``use_muon=False`` (its AdamW groups)
 ``GWTAdamMini``    AdamW        (none)
@@ -194,7 +194,7 @@ def build_entries():
         # label, class, torch name, torch inputs, torch error inputs, fixed kwargs
         ("GWTAdamW", gwt_optim.GWTAdamW, "AdamW", co.optim_inputs_func_adamw, co.optim_error_inputs_func_adamw, {}),
         ("GWTAdamW_eager", gwt_optim.GWTAdamW, "AdamW", co.optim_inputs_func_adamw,
-         co.optim_error_inputs_func_adamw, {"compile": False}),
+         co.optim_error_inputs_func_adamw, {"backend": "eager"}),
         ("GWTMuon", gwt_optim.GWTMuon, "Muon", co.optim_inputs_func_muon, co.optim_error_inputs_func_muon, {}),
         ("GWTMuon_adamw", gwt_optim.GWTMuon, "AdamW", co.optim_inputs_func_adamw, co.optim_error_inputs_func_adamw,
          {"use_muon": False}),
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     print("| entry | class | fixed kwargs | passed | failed | errors | skipped | total |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     total = defaultdict(int)
-    fixed = {"GWTAdamW_eager": "compile=False", "GWTMuon_adamw": "use_muon=False"}
+    fixed = {"GWTAdamW_eager": "backend='eager'", "GWTMuon_adamw": "use_muon=False"}
     for e in entries:
         c = counts.get(e.label, {})
         row = [c.get(k, 0) for k in ("passed", "failed", "error", "skipped")]

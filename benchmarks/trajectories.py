@@ -100,7 +100,7 @@ def record(path: str) -> int:
             for clip in (0.5, None):
                 for pm in (False, True):
                     _run(out, f"adamw-triton-{level}-{clip}-{pm}",
-                         lambda ps: GWTAdamW(ps, lr=1e-2, level=level, detail_clip=clip, compile="triton"),
+                         lambda ps: GWTAdamW(ps, lr=1e-2, level=level, detail_clip=clip, backend="triton"),
                          [(24, 32), (40,), (8, 64)], steps=3, param_mode=pm)
     torch.save(out, path)
     print(f"{len(out)} cases -> {path}")

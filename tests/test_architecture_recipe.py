@@ -226,7 +226,7 @@ def test_another_familys_state_is_refused_by_name(gwt_sgd):
     from gwt_optim import GWTAdamW
 
     model = _model()
-    adamw = GWTAdamW(model.parameters(), lr=1e-3, compile=False)
+    adamw = GWTAdamW(model.parameters(), lr=1e-3, backend="eager")
     _train(model, adamw, 1)
     with pytest.raises(ValueError, match="saved by GWTAdamW; it cannot be loaded into GWTSGD"):
         GWTSGD(model.parameters()).load_state_dict(adamw.state_dict())

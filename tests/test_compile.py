@@ -23,7 +23,7 @@ FAMILIES = [GWTAdamW, GWTMuon, GWTAdamMini, GWTAdafactor]
 # batched torch._fused_adamw_ plan; level 2 on the default path is its native
 # kernels' plan (with a C compiler), the eager path otherwise.
 LEVELS = {"level0": dict(level=0, scale=1.0, norm_growth_limit=None), "level2": dict(level=2)}
-VARIANTS = {"default": {}, "compile=False": dict(compile=False), "reference": dict(impl="reference")}
+VARIANTS = {"default": {}, "backend=eager": dict(backend="eager"), "reference": dict(impl="reference")}
 STEPS = 6
 
 

@@ -357,7 +357,7 @@ def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):
         opt.step()
     fp16, _ = _run(W0.half(), [g.half() for g in grads], lr=1e-2, level=2, compile=True)
     assert count_fused == {}
-    want, _ = _run(W0, grads, lr=1e-2, level=2, compile=False)
+    want, _ = _run(W0, grads, lr=1e-2, level=2, backend="eager")
     torch.testing.assert_close(W.detach(), want, rtol=1e-5, atol=1e-6)
     assert fp16.dtype == torch.float16
 
@@ -377,7 +377,7 @@ def test_bad_compile_option_is_rejected():
 
 def test_compile_false_never_builds_kernels(monkeypatch, count_fused):
     monkeypatch.setattr(_native, "native_library", lambda: pytest.fail("built a kernel"))
-    _run(torch.randn(4, 16), [torch.randn(4, 16)], level=2, compile=False)
+    _run(torch.randn(4, 16), [torch.randn(4, 16)], level=2, backend="eager")
     assert count_fused == {}
 
 
@@ -390,7 +390,7 @@ def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monke
     with pytest.warns(RuntimeWarning, match="no C compiler") as record:
         auto, _ = _run(W0, grads, lr=1e-2)
     assert len(record) == 1  # once per optimizer, not per step or parameter
-    eager, _ = _run(W0, grads, lr=1e-2, compile=False)
+    eager, _ = _run(W0, grads, lr=1e-2, backend="eager")
     assert torch.equal(auto, eager)
     with pytest.raises(_fused.KernelUnavailable, match="no C compiler"):
         _run(W0, grads, compile=True)

@@ -272,7 +272,7 @@ def _eager_vs_functional(make, runner, shapes, dtype, steps=4, **kw):
 @pytest.mark.parametrize("clip", [0.5, None])
 def test_gwt_adamw_eager_path_is_the_function(dtype, impl, clip):
     kw = dict(lr=1e-2, weight_decay=0.1, level=2, detail_clip=clip, impl=impl)
-    _eager_vs_functional(lambda ps: GWTAdamW(ps, compile=False, **kw), runs.AdamW, SHAPES, dtype, **kw)
+    _eager_vs_functional(lambda ps: GWTAdamW(ps, backend="eager", **kw), runs.AdamW, SHAPES, dtype, **kw)
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])

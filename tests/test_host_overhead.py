@@ -76,7 +76,7 @@ def _reset(calls):
 
 def test_a_held_plan_skips_the_per_parameter_path(mocked):
     params = _params()
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     grads = [_grads(params, 1), _grads(params, 2)]
     for p, g in zip(params, grads[0]):
         p.grad = g
@@ -129,7 +129,7 @@ def _moved_state_tensor(opt, params):
 )
 def test_what_makes_a_new_plan(mocked, change, new_plan):
     params = _params()
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     for t in range(2):
         for p, g in zip(params, _grads(params, t)):
             p.grad = g
@@ -147,7 +147,7 @@ def test_what_makes_a_new_plan(mocked, change, new_plan):
 
 def test_a_level_change_routes_again(mocked):
     params = _params()
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     for p, g in zip(params, _grads(params, 1)):
         p.grad = g
     opt.step()
@@ -177,7 +177,7 @@ def test_half_gradients_reach_the_kernels_as_they_are(mocked, monkeypatch, dtype
 
     monkeypatch.setattr(_triton.TritonBackend, "step_buckets", spy)
     params = _params(dtype)
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     for t in range(2):  # the step that makes the plan, and one that holds it
         for p, g in zip(params, _grads(params, t)):
             p.grad = g
@@ -193,7 +193,7 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
     # kernels read them as they are, the moments follow the weight.
     p = torch.nn.Parameter(torch.randn(8, 32))
     p.grad_dtype = None
-    opt = GWTAdamW([p], lr=1e-2, compile="triton")
+    opt = GWTAdamW([p], lr=1e-2, backend="triton")
     p.grad = torch.randn(8, 32).bfloat16()
     opt.step()
     ((backend, _),) = _plan(opt).by_backend
@@ -290,7 +290,7 @@ def _step_each(opt, params, grads):
 
 def test_step_param_holds_a_plan_per_parameter(mocked):
     params = _params()
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     _step_each(opt, params, _grads(params, 1))
     plans = _param_plans(opt)
     assert plans.keys() == {id(p) for p in params} and mocked["phase1"] == len(params)
@@ -340,7 +340,7 @@ def _a_step_between(opt, params):
 def test_what_makes_a_new_param_plan(mocked, change, new_plan):
     params = _params()
     p = params[2]
-    opt = GWTAdamW(params, lr=1e-2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, backend="triton")
     for t in range(2):
         _step_each(opt, params, _grads(params, t))
     plan = _param_plans(opt)[id(p)]

@@ -335,5 +335,5 @@ def test_an_empty_read_only_kernel_cache_builds_privately_with_one_warning(monke
     assert "for this process only" in warned[0] and "\n" not in warned[0]
     assert "native" in opt._kernels._backends
     assert list(kernels.iterdir()) == []
-    reference, _ = train(compile=False, impl="reference")
+    reference, _ = train(backend="eager", impl="reference")
     torch.testing.assert_close(native, reference, rtol=1e-12, atol=1e-13)

@@ -31,8 +31,8 @@ CLASSES = {"GWTAdamW": GWTAdamW, "GWTAdamMini": GWTAdamMini, "GWTAdafactor": GWT
 # GWT-AdamW's three CPU paths: the native kernels, the eager fast path, the reference path.
 PATHS = {
     "native": dict(compile=True),
-    "eager": dict(compile=False),
-    "reference": dict(impl="reference", compile=False),
+    "eager": dict(backend="eager"),
+    "reference": dict(impl="reference", backend="eager"),
 }
 
 
@@ -367,7 +367,7 @@ def test_all_paths_agree_after_non_finite_gradients(bad, bad_steps):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_skips_non_finite_gradients(family, bad):
     W = _param((8, 32))
-    opt = FAMILIES[family]([W], compile=False)
+    opt = FAMILIES[family]([W], backend="eager")
     W.grad = _grad((8, 32), 0)
     opt.step()
     W_before = W.detach().clone()
@@ -391,7 +391,7 @@ def test_the_eager_path_checks_every_gradient_at_once(family, monkeypatch):
     the eager path did that once per parameter, stalling every parameter's
     launches behind the previous one's kernels. It now checks all gradients in
     one foreach norm per step, with the same results. Forced on CPU here (``_check_waits``). GWT-AdamW runs eager here
-    (compile=False); with its fused kernels, they check gradients themselves."""
+    (backend="eager"); with its fused kernels, they check gradients themselves."""
     from gwt_optim.optim import _stepper
 
     def train(at_once: bool):
@@ -404,7 +404,7 @@ def test_the_eager_path_checks_every_gradient_at_once(family, monkeypatch):
             groups = params
             if family == "GWTMuon":  # Muon takes 2-D weights; the rest go to its AdamW groups
                 groups = [{"params": params[:2]}, {"params": params[2:], "use_muon": False}]
-            opt = FAMILIES[family](groups, compile=False)
+            opt = FAMILIES[family](groups, backend="eager")
             for t in range(3):
                 for i, p in enumerate(params):
                     p.grad = _grad(tuple(p.shape), 10 * t + i)
@@ -593,7 +593,7 @@ def test_a_copy_keeps_impl_and_backend(how):
     from gwt_optim import GWTAdamW
 
     p = torch.nn.Parameter(torch.randn(8, 32))
-    opt = GWTAdamW([p], lr=1e-2, impl="reference", compile=False)
+    opt = GWTAdamW([p], lr=1e-2, impl="reference", backend="eager")
     p.grad = torch.randn(8, 32)
     opt.step()
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))

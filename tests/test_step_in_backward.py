@@ -113,9 +113,9 @@ def test_gwt_adamw_in_backward_is_bitwise_a_normal_step(compile_, moment_dtype):
 @pytest.mark.parametrize(
     "factory",
     [
-        _gwt(GWTMuon, regular={"use_muon": False}, compile=False),
-        _gwt(GWTAdamMini, compile=False),
-        _gwt(GWTAdafactor, compile=False),
+        _gwt(GWTMuon, regular={"use_muon": False}, backend="eager"),
+        _gwt(GWTAdamMini, backend="eager"),
+        _gwt(GWTAdafactor, backend="eager"),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
@@ -128,7 +128,7 @@ def test_other_families_and_torch_optimizers_match_a_normal_step(factory):
 
 
 def test_state_dict_round_trip_while_stepping_in_backward():
-    factory = _gwt(GWTAdamW, compile=False, moment_dtype="int8")
+    factory = _gwt(GWTAdamW, backend="eager", moment_dtype="int8")
     ref_model, ref_opt, ref_sched = _make(factory)
     _train(ref_model, ref_opt, ref_sched, _batches(6), in_backward=False)
 
@@ -150,7 +150,7 @@ def test_state_dict_round_trip_while_stepping_in_backward():
 
 
 def test_calling_step_while_active_raises_and_remove_restores_step():
-    model, opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    model, opt, _ = _make(_gwt(GWTAdamW, backend="eager"))
     handle = step_in_backward(opt)
     _loss(model, _batches(1)[0]).backward()
     with pytest.raises(RuntimeError, match="steps inside backward"):
@@ -162,7 +162,7 @@ def test_calling_step_while_active_raises_and_remove_restores_step():
 
 
 def test_per_parameter_clipping_matches_manual_clipping():
-    factory = _gwt(GWTAdamW, compile=False)
+    factory = _gwt(GWTAdamW, backend="eager")
     ref_model, ref_opt, _ = _make(factory)
     model, opt, _ = _make(factory)
     for x in _batches(3):
@@ -180,7 +180,7 @@ def test_per_parameter_clipping_matches_manual_clipping():
 
 
 def test_rejects_bad_arguments():
-    model, opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    model, opt, _ = _make(_gwt(GWTAdamW, backend="eager"))
     with pytest.raises(ValueError, match="max_grad_norm"):
         step_in_backward(opt, max_grad_norm=0.0)
     with pytest.raises(TypeError):
@@ -215,7 +215,7 @@ def test_refuses_a_gradient_left_over_at_install():
 
 
 def test_refuses_accumulation_before_any_parameter_steps_twice():
-    model, opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    model, opt, _ = _make(_gwt(GWTAdamW, backend="eager"))
     first, second = _batches(2)
     handle = step_in_backward(opt)
     _loss(model, first).backward()
@@ -227,7 +227,7 @@ def test_refuses_accumulation_before_any_parameter_steps_twice():
     assert {int(opt.state[p]["step"]) for p in model.parameters()} == {1}
     assert handle.steps == len(after_one)
     # zero_grad starts a new step: the next backward steps again, as opt.step() would.
-    ref_model, ref_opt, _ = _make(_gwt(GWTAdamW, compile=False))
+    ref_model, ref_opt, _ = _make(_gwt(GWTAdamW, backend="eager"))
     for x in (first, second):
         _loss(ref_model, x).backward()
         ref_opt.step()

@@ -134,7 +134,7 @@ def test_fp32_matches_the_functional_update(tt, level, gamma, wd, eps, steps):
     kw = dict(lr=1e-2, weight_decay=wd, eps=eps, level=level, norm_growth_limit=gamma)
     lrs = [1e-2 / (t + 1) for t in range(steps)]  # a scheduler: lr is a kernel argument
     opts = []
-    got = _train(W0, grads, lrs=lrs, compile="triton", opt_out=opts, **kw)
+    got = _train(W0, grads, lrs=lrs, backend="triton", opt_out=opts, **kw)
     want, ran = _functional(W0, grads, lrs=lrs, **kw)
     exact, _ = _functional([w.double() for w in W0], [[g.double() for g in gs] for gs in grads], lrs=lrs,
                            impl="reference", **kw)
@@ -160,9 +160,9 @@ def test_detail_clip_matches_the_functional_update(tt, alpha):
     W0, grads = _problem(shapes=SHAPES[:3], steps=2, seed=3)
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5, scale=alpha)
     opts = []
-    got = _train(W0, grads, compile="triton", opt_out=opts, **kw)
+    got = _train(W0, grads, backend="triton", opt_out=opts, **kw)
     want, _ = _functional(W0, grads, **kw)
-    unclipped = _train(W0, grads, compile="triton", **{**kw, "detail_clip": None})
+    unclipped = _train(W0, grads, backend="triton", **{**kw, "detail_clip": None})
     assert set(opts[0]._kernels._backends) == {"triton"}
     _close(got, want, 1e-6)
     assert any(not torch.allclose(a, b) for a, b in zip(got, unclipped))  # the clip did act
@@ -171,7 +171,7 @@ def test_detail_clip_matches_the_functional_update(tt, alpha):
 @needs_triton
 def test_level0_is_torch_adamw(tt):
     W0, grads = _problem(shapes=[(6, 10), (33,)], steps=3)
-    got = _train(W0, grads, lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None, compile="triton")
+    got = _train(W0, grads, lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None, backend="triton")
     params = [torch.nn.Parameter(w.clone()) for w in W0]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     for gs in grads:
@@ -195,7 +195,7 @@ def test_bf16_weights_are_bit_exact_against_the_functional_update(tt, moment_dty
     W0, grads = _problem(shapes=[(8, 64), (4, 36), (40,)], steps=3, dtype=torch.bfloat16, seed=5)
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, moment_dtype=moment_dtype)
     opts = []
-    got = _train(W0, grads, compile="triton", opt_out=opts, **kw)
+    got = _train(W0, grads, backend="triton", opt_out=opts, **kw)
     want, ran = _functional(W0, grads, **kw)
     assert set(opts[0]._kernels._backends) == {"triton"}
     for a, b in zip(got, want):
@@ -252,7 +252,7 @@ def test_nonfinite_gradient_skips_only_that_parameter(tt):
     kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2)
     opts = []
     want, ran = _functional(W0, grads, **kw)
-    _train(W0, grads[:2], compile="triton", opt_out=opts, **kw)
+    _train(W0, grads[:2], backend="triton", opt_out=opts, **kw)
     opt = opts[0]
     params = opt.param_groups[0]["params"]
     moved_before = params[1].detach().clone()
@@ -279,7 +279,7 @@ def test_nonfinite_gradient_skips_only_that_parameter(tt):
 @needs_triton
 def test_state_round_trip_mid_training_is_bitwise(tt):
     W0, grads = _problem(shapes=SHAPES[2:], steps=4, seed=11)
-    kw = dict(lr=1e-2, weight_decay=0.1, level=2, compile="triton")
+    kw = dict(lr=1e-2, weight_decay=0.1, level=2, backend="triton")
     straight = _train(W0, grads, **kw)
     opts = []
     first = _train(W0, grads[:2], opt_out=opts, **kw)
@@ -302,7 +302,7 @@ def _train_through_changes(W0, grads, step, limiter_off_at=None):
     gradient that sits out step 3 and (``limiter_off_at``) a routing option
     changed; ``step(opt, params)`` takes each step."""
     params = [torch.nn.Parameter(w.clone()) for w in W0]
-    opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, compile="triton")
+    opt = GWTAdamW(params, lr=1e-2, weight_decay=0.1, level=2, backend="triton")
     for t, gs in enumerate(grads):
         gs = [g.clone() for g in gs]
         if t == 2:
@@ -377,7 +377,7 @@ def test_step_issues_three_launches_per_bucket(tt):
         weights = [torch.nn.Parameter(torch.randn(4, 8 + 4 * i)) for i in range(n_layers)]
         halves = [torch.nn.Parameter(torch.randn(2, 8).bfloat16()) for _ in range(n_layers)]
         biases = [torch.nn.Parameter(torch.randn(4)) for _ in range(n_layers)]
-        opt = GWTAdamW([{"params": weights + biases}, {"params": halves}], lr=1e-2, level=2, compile="triton")
+        opt = GWTAdamW([{"params": weights + biases}, {"params": halves}], lr=1e-2, level=2, backend="triton")
         for p in weights + halves + biases:
             p.grad = torch.randn_like(p)
         opt.step()  # the first step also compiles (in the interpreter: runs) each variant once
@@ -392,7 +392,7 @@ def test_step_issues_three_launches_per_bucket(tt):
 @needs_triton
 def test_step_one_matches_the_batch(tt, monkeypatch):
     W0, grads = _problem(shapes=SHAPES[1:], steps=2, seed=13)
-    kw = dict(lr=1e-2, weight_decay=0.1, level=2, compile="triton")
+    kw = dict(lr=1e-2, weight_decay=0.1, level=2, backend="triton")
     batch = _train(W0, grads, **kw)
     step_buckets = _TT.TritonBackend.step_buckets
 
@@ -413,12 +413,12 @@ def test_step_one_matches_the_batch(tt, monkeypatch):
 def test_unsupported_parameters_take_the_eager_path(tt):
     W0, grads = _problem(shapes=[(4, 32)], steps=2)
     W = torch.nn.Parameter(W0[0].t().contiguous().t())  # non-contiguous
-    opt = GWTAdamW([W], lr=1e-2, compile="triton")
+    opt = GWTAdamW([W], lr=1e-2, backend="triton")
     for gs in grads:
         W.grad = gs[0].clone()
         opt.step()
     assert sum(tt.launches.values()) == 0
-    _close([W.detach()], _train(W0, grads, lr=1e-2, compile=False), 1e-6)
+    _close([W.detach()], _train(W0, grads, lr=1e-2, backend="eager"), 1e-6)
 
 
 # ------------------------------------------------- level 0 on CPU (fused) --- #

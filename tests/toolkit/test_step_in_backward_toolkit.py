@@ -17,7 +17,7 @@ def _losses(run) -> list[float]:
 
 
 def test_step_in_backward_with_checkpointing_equals_a_normal_run(tiny_config, tmp_path):
-    opt = "gwt-adamw:level=2:moment_dtype=int8:compile=False"
+    opt = "gwt-adamw:level=2:moment_dtype=int8:backend=eager"
     normal = tiny_config(out=str(tmp_path / "normal"), steps=4, eval_every=0, optimizer=opt)
     inside = tiny_config(out=str(tmp_path / "inside"), steps=4, eval_every=0, optimizer=opt,
                          step_in_backward=True, gradient_checkpointing=True)
