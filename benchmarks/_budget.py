@@ -565,6 +565,9 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
             return b.RETUNE if label in priors else b.TUNE
         # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
         given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
+        if args.tune_only and given:  # else they run nothing at all, without a word
+            print(f"--tune-only: nothing to tune for {', '.join(sorted(given))} (one lr, no weight-decay axis); "
+                  "they run with the reporting seeds, in a call without --tune-only", flush=True)
         others = [c for c in grids if c != P.BASELINE and c not in given]
         if args.beta2 is None:  # every other contender waits for AdamW's best beta2
             base_t: dict[str, Any] | None = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds,

@@ -651,6 +651,14 @@ def test_a_smoke_budget_end_to_end(tmp_path, tiny_model, corpus):
     assert len(decayed) == 2
     T = json.loads((tuned / "budget.json").read_text())["budget"]["contenders"]
     assert all(set(t["wd_grid"]) == {"0", "0.1"} and t["best_wd"] in (0.0, 0.1) for t in T.values())
+    # Without a weight-decay axis the one-lr contender has nothing to tune: --tune-only says so, rather than
+    # running nothing for it without a word.
+    quiet = tmp_path / "quiet"
+    shutil.copytree(out / "tune", quiet / "tune")
+    said = subprocess.run(cmd[:-4] + ["--out", str(quiet), "--plot", "", "--tune-only", "--resume"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "'ran': 0" in said.stdout, said.stdout[-2000:] + said.stderr[-2000:]
+    assert "--tune-only: nothing to tune for gwt-adamw:level=2 (one lr" in said.stdout, said.stdout[-2000:]
 
 
 def test_pysrc_small_is_its_own_corpus_of_a_pinned_slice(sdists, monkeypatch):
