@@ -103,7 +103,8 @@ def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, key: Hash
         for b in buckets:
             group, lr = b.group, group_lr(b.group)
             alpha = group["scale"] if b.scaled else 1.0
-            b.step_size, b.decay = alpha * lr * adam_step_factor(b.step, *group["betas"]), 1 - lr * group["weight_decay"]
+            b.step_size = alpha * lr * adam_step_factor(b.step, *group["betas"])
+            b.decay = 1 - lr * group["weight_decay"]
         skipped.append(backend.step_buckets(buckets, LIMITER_EPS, key))
 
 
