@@ -2,8 +2,9 @@
 
 ``gwt_optim._toolchain`` builds, caches and loads a C library and knows nothing
 of what it computes; ``_native`` is the ctypes backend over ``_fused_cpu.c``;
-``_fused`` is the protocol, the state checks and the choice of a backend, and
-the one module the optimizers import. The lower modules never import the
+``_fused`` is the protocol, torch's level-0 kernel and ``Kernels`` (the built
+and failed backends), the facade the optimizers and tests import; the choice of
+a backend is ``_backends.choose``. The lower modules never import the
 higher ones. ``_family`` holds what the family modules share.
 """
 
