@@ -38,6 +38,9 @@ MUON_ALPHA2 = "gwt-muon-level2-scale2-beta20.999-regular-lr0.003-lr0.002"
 # Stage 5: AdamW's weight decay 0.1 kept (the weight decay is in the labels).
 ADAMW_WD = "adamw-weight-decay0.1-beta20.999-scale1-regular-lr0.003-lr0.002"
 ALPHA2_WD = "gwt-adamw-level2-scale2-weight-decay0.1-beta20.999-regular-lr0.003-lr0.002"
+# Stage 6: the rule at levels 1 and 3 (alpha 2^(l/2) to four digits), at AdamW's (2e-3, 0).
+LEVEL1 = "gwt-adamw-level1-scale1.414-beta20.999-regular-lr0.003-lr0.002"
+LEVEL3 = "gwt-adamw-level3-scale2.828-beta20.999-regular-lr0.003-lr0.002"
 PAIRS = [  # (what, run, the run it is paired with)
     ("GWT-AdamW α 2 at AdamW's (2e-3, 0) − AdamW (2e-3, 0)", ALPHA2, ADAMW),
     ("GWT-AdamW α 2 at AdamW's (2e-3, 0) − GWT-AdamW at its own best (6e-3 at α 1, wd 0.1)", ALPHA2, TUNED),
@@ -46,6 +49,8 @@ PAIRS = [  # (what, run, the run it is paired with)
     ("GWT-Muon α 2 at AdamW's (2e-3, 0) − GWT-Muon at its own best (1e-2 at α 1, wd 0.1)", MUON_ALPHA2, MUON_TUNED),
     ("GWT-AdamW α 2 at (2e-3, wd 0.1) − AdamW at (2e-3, wd 0.1)", ALPHA2_WD, ADAMW_WD),
     ("AdamW at (2e-3, wd 0.1) − AdamW at (2e-3, 0)", ADAMW_WD, ADAMW),
+    ("GWT-AdamW l=1, α 1.414, at AdamW's (2e-3, 0) − AdamW", LEVEL1, ADAMW),
+    ("GWT-AdamW l=3, α 2.828, at AdamW's (2e-3, 0) − AdamW", LEVEL3, ADAMW),
 ]
 # Two-sided 95% quantiles of Student's t by degrees of freedom.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
