@@ -92,6 +92,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip for every run (default 1.0)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay for every run (0)")
     g.add_argument("--warmup", type=float, default=0.1)
+    g.add_argument("--schedule", default="cosine", help="cosine (default), wsd or constant, as pretrain's; a "
+                   "schedule other than cosine names the runs' folders (tokensT-stepsN-wsd0.2-1-sqrt)")
+    g.add_argument("--decay", type=float, default=0.2, help="wsd: the decay's length, as --warmup (0.2)")
+    g.add_argument("--decay-shape", default="1-sqrt", help="wsd: 1-sqrt (default) or linear")
     g.add_argument("--evals", type=int, default=20, help="validations per run (the loss-vs-tokens curve)")
     g = p.add_argument_group("contenders and grids")
     g.add_argument("--contenders", default=",".join(DEFAULT_GRIDS), help="specs; AdamW is always the baseline")
@@ -305,7 +309,7 @@ class Budget:
         def runner(sub: str, steps: int, pool=None) -> P.Runner:
             b = {**base, "eval_every": max(1, steps // max(1, args.evals)),
                  "save_every": min(args.save_every, steps) if args.save_every else 0}
-            r = P.Runner(Path(args.out) / sub, P.Setting(b, windows, steps=steps), jobs=args.jobs,
+            r = P.Runner(Path(args.out) / sub, P.Setting(b, windows, steps=steps, home_data="pysrc"), jobs=args.jobs,
                          threads=args.threads, resume=args.resume, offline=args.report_only, start=start,
                          deadline=args.deadline, grace=args.grace, pool=pool)
             r.resume_partial = args.resume
@@ -563,17 +567,21 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
 
         def rank(label: str) -> int:
             return b.RETUNE if label in priors else b.TUNE
-        # AdamW, the baseline, is always tuned; another contender given one lr (and no weight-decay axis) is not
-        given = {c for c in grids if c != P.BASELINE and len(grids[c]) == 1 and len(wds) < 2}
+        # A contender given one lr (and no weight-decay axis) is not tuned; AdamW, the baseline, is unless its
+        # beta2 is given too: a one-point grid decides nothing, and on the CPU a tuning run costs a reporting run's
+        given = {c for c in grids if len(grids[c]) == 1 and len(wds) < 2 and (c != P.BASELINE or len(beta2s) == 1)}
         if args.tune_only and given:  # else they run nothing at all, without a word
             print(f"--tune-only: nothing to tune for {', '.join(sorted(given))} (one lr, no weight-decay axis); "
                   "they run with the reporting seeds, in a call without --tune-only", flush=True)
         others = [c for c in grids if c != P.BASELINE and c not in given]
-        if args.beta2 is None:  # every other contender waits for AdamW's best beta2
-            base_t: dict[str, Any] | None = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds,
-                                                   rank=rank(P.BASELINE))
+        if P.BASELINE in given:
+            base_t = b.given(P.BASELINE, grids[P.BASELINE][0], beta2s[0])
+            beta2 = beta2s[0] if args.beta2 is None else args.beta2
+            pending = {c: b.submit_tune(c, grids[c], [beta2], tune_seeds, rank(c)) for c in others}
+        elif args.beta2 is None:  # every other contender waits for AdamW's best beta2
+            base_t = b.tune(P.BASELINE, grids[P.BASELINE], beta2s, tune_seeds, rank=rank(P.BASELINE))
             beta2 = base_t["best_beta2"] if base_t["best_beta2"] is not None else beta2s[0]
-            pending: dict[str, dict] = {}
+            pending = {}
         else:  # beta2 fixed for the others: interleave, so each contender meets AdamW early
             beta2 = args.beta2
             first = [beta2] if beta2 in beta2s else []
@@ -586,6 +594,8 @@ def _stages(args, b: Budget, out: dict[str, Any], grids: dict[str, list[float]],
         out["beta2"] = beta2
 
         def tuned(label: str) -> dict[str, Any]:
+            if label in given and label == P.BASELINE:
+                return {**base_t, "best_wd": wds[0]}
             if label in given:
                 return {**b.given(label, grids[label][0], beta2), "best_wd": wds[0]}
             if label == P.BASELINE:
@@ -813,7 +823,7 @@ def render(report: dict[str, Any]) -> str:
              f"`{s['model']}` on `--data {s['data']}` ({report['train_tokens']:,} training tokens, "
              f"{s['vocab_size']}-token BPE, sequences of {s['seq_len']}), {B['tokens_per_step']:,} tokens per "
              f"step; budget **{B['budget_tokens']:,} tokens ({B['steps']} steps)**, tuning runs "
-             f"{B['tune_steps']} steps. {s['warmup']} warm-up then cosine to {s['min_lr_ratio']}, gradient clip "
+             f"{B['tune_steps']} steps. {P.schedule_phrase(s)}, gradient clip "
              f"{s['grad_clip']}, {_wd_phrase(s['weight_decay'], B.get('weight_decays'))}, precision "
              f"{s['precision']}, device {s['device']}. Matrix-only fairness: embeddings, head, norms and biases on AdamW at lr "
              f"{B['regular_lr']:g} for everyone; the attention and MLP matrices at each contender's matrix lr "
@@ -1066,6 +1076,7 @@ def main(argv: list[str] | None, description: str) -> int:
         base = TrainConfig.from_dict({
             "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
             "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
+            "schedule": args.schedule, "decay": args.decay, "decay_shape": args.decay_shape,
             "grad_clip": args.grad_clip, "weight_decay": 0.0, "scale": 1.0,  # weight decay: in the specs (wd_spec)
             "device": args.device, "precision": args.precision, "keep_last": 1}).validate().to_dict()
     except ValueError as exc:

@@ -255,12 +255,33 @@ class Setting:
     epochs: float = 1.0
     steps: int | None = None
     micro_batch_size: int | None = None
+    home_data: str | None = None  # a study's own corpus; runs on another one name it in their folders
 
     def for_tokens(self, tokens: int) -> dict[str, Any]:
         batch = batch_for(tokens, self.base["seq_len"])
         steps, used, capped = cap_steps(self.windows, batch, epochs=self.epochs, steps=self.steps)
         return {"batch_size": batch, "micro_batch_size": micro_batch_for(batch, self.micro_batch_size),
                 "steps": steps, "epochs": used, "capped": capped}
+
+
+def folder_suffix(setting: Setting) -> str:
+    """``""`` for the cosine on the study's own corpus (every run before the schedules keeps its folder's name);
+    else ``-wsd0.2-1-sqrt``, ``-constant`` and ``-data-NAME``: runs under another schedule or on another corpus
+    never share a folder with these."""
+    base, kind = setting.base, setting.base.get("schedule", "cosine")
+    suffix = {"cosine": "", "wsd": f"-wsd{base.get('decay', 0.2):g}-{base.get('decay_shape', '1-sqrt')}"}.get(
+        kind, f"-{kind}")
+    if setting.home_data is not None and base.get("data") != setting.home_data:
+        suffix += "-data-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(base["data"]).name)
+    return suffix
+
+
+def schedule_phrase(setting: dict[str, Any]) -> str:
+    from gwt_optim.toolkit.schedules import describe
+
+    return describe(setting.get("schedule", "cosine"), setting.get("warmup"),
+                    min_ratio=setting.get("min_lr_ratio", 0.1), decay=setting.get("decay", 0.2),
+                    decay_shape=setting.get("decay_shape", "1-sqrt"))
 
 
 class Runner(_runner.Runner):
@@ -289,7 +310,8 @@ class Runner(_runner.Runner):
 
         steps = self.setting.for_tokens(job.tokens)["steps"]
         slug = run_dir_name(0, f"{job.spec}:lr={fmt_lr(job.lr)}")[3:]
-        return self.out / "runs" / f"tokens{job.tokens}-steps{steps}" / f"seed{job.seed}" / slug
+        return self.out / "runs" / f"tokens{job.tokens}-steps{steps}{folder_suffix(self.setting)}" \
+            / f"seed{job.seed}" / slug
 
     def config(self, job: Job) -> dict[str, Any]:
         from gwt_optim.toolkit.train import TrainConfig
@@ -519,7 +541,7 @@ def render(report: dict[str, Any], title: str) -> str:
              f"Setting: `{setting.get('model')}` with a {setting.get('vocab_size')}-token BPE on the "
              f"`{setting.get('data')}` corpus ({report.get('train_tokens')} training tokens, "
              f"{report.get('train_windows')} sequences of {setting.get('seq_len')} = one epoch), "
-             f"{setting.get('warmup')} warm-up then cosine to {setting.get('min_lr_ratio', 0.1)}, precision "
+             f"{schedule_phrase(setting)}, precision "
              f"{setting.get('precision')}, device {setting.get('device')}. Token budget: "
              + (f"{report.get('epochs'):g} epoch" if report.get("steps_override") is None
                 else f"{report['steps_override']} steps, capped at one epoch")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gwt_optim.toolkit.recipes import RECIPE_ALPHA
+from gwt_optim.toolkit.schedules import DECAY_SHAPES, SCHEDULES
 
 __all__ = ["register", "add_training_arguments", "run_defaults", "resolve_config", "check_inputs", "run_pretrain"]
 
@@ -102,8 +103,16 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
                    + default("micro_batch_size", "the whole batch"))
     g.add_argument("--warmup", type=float, default=S,
                    help=f"warm-up: a fraction of the steps if < 1, else steps {default('warmup')}")
+    g.add_argument("--schedule", choices=SCHEDULES, default=S,
+                   help="lr after the warm-up: cosine (to --min-lr-ratio), wsd (warmup-stable-decay: the peak, then "
+                   f"a --decay-shape decay over the last --decay steps) or constant {default('schedule')}")
+    g.add_argument("--decay", type=float, default=S,
+                   help="wsd: the decay's length, a fraction of the steps if < 1, else steps; to decay a stable-phase "
+                   f"checkpoint at step K over D steps: --resume --steps K+D --decay D {default('decay')}")
+    g.add_argument("--decay-shape", choices=DECAY_SHAPES, default=S,
+                   help=f"wsd: 1-sqrt (1 - sqrt of the decay's progress) or linear {default('decay_shape')}")
     g.add_argument("--min-lr-ratio", type=float, default=S,
-                   help=f"the cosine decays to this times the peak {default('min_lr_ratio')}")
+                   help=f"cosine and wsd decay to this times the peak {default('min_lr_ratio')}")
     g.add_argument("--grad-clip", type=_float_or_none, default=S, help="clip the gradient norm at this value, or "
                    f"'off' {default('grad_clip', 'off')}")
     g.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=S,

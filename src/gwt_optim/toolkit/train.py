@@ -11,15 +11,18 @@ it also writes to ``RUN/summary.json``. A run directory holds
 ``summary.json``      the final numbers ``compare`` and ``report`` tabulate
 ``checkpoints/``      see :mod:`gwt_optim.toolkit.checkpoint`
 
-Schedule: linear warm-up over ``warmup`` (a fraction of the steps, 10% by
-default) then cosine decay to ``min_lr_ratio`` (0.1) times the peak, as in
-the paper. Each optimizer step consumes ``batch_size`` sequences in
+Schedule (:mod:`gwt_optim.toolkit.schedules`): linear warm-up over ``warmup``
+(a fraction of the steps, 10% by default), then ``cosine`` decay to
+``min_lr_ratio`` (0.1) times the peak as in the paper, or ``wsd`` (stable, then
+a decay over the last ``decay`` steps), or ``constant``. Each optimizer step consumes ``batch_size`` sequences in
 ``batch_size / (micro_batch_size * world_size)`` accumulation steps.
 
 Resume (``resume=True``) continues from the newest readable checkpoint with
 the run's own settings; only :data:`RESUME_MAY_CHANGE` may differ. A new
 ``steps`` rebuilds the schedule for the new total: the steps already taken
-keep the learning rates they had, the rest follow the new warm-up/cosine.
+keep the learning rates they had, the rest follow the new schedule; a WSD run
+resumed from a stable-phase checkpoint at step k with ``steps=k+D, decay=D``
+decays from there.
 
 Ctrl-C (SIGINT) or SIGTERM (torchrun, Slurm, Kubernetes) asks the loop to
 stop at the next step boundary, where the weights, optimizer, schedule and
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gwt_optim.toolkit.errors import register_user_error
+from gwt_optim.toolkit.schedules import DECAY_SHAPES, SCHEDULES, WarmupCosine, make_schedule, warmup_steps
 
 __all__ = [
     "TrainConfig",
@@ -121,6 +125,9 @@ class TrainConfig:
     micro_batch_size: int | None = None  # per rank and forward pass; None: batch_size / world
     warmup: float = 0.1  # < 1: fraction of steps; >= 1: number of steps
     min_lr_ratio: float = 0.1
+    schedule: str = "cosine"  # cosine, wsd or constant (gwt_optim.toolkit.schedules)
+    decay: float = 0.2  # wsd: the decay's length, read as warmup is
+    decay_shape: str = "1-sqrt"  # wsd: 1-sqrt or linear
     grad_clip: float | None = None
     precision: str = "auto"  # auto (bf16 on CUDA if supported, else fp32), bf16, fp32
     eval_every: int = 25
@@ -176,6 +183,11 @@ class TrainConfig:
                 continue
             number(name, getattr(self, name), minimum=minimum, integer=False, strict=strict)
         number("warmup", self.warmup, minimum=0, integer=False)
+        number("decay", self.decay, minimum=0, integer=False)
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise UsageError(f"--decay-shape {self.decay_shape!r}: choose one of {', '.join(DECAY_SHAPES)}")
         if isinstance(self.optimizer, str):
             check_spec_numbers(self.optimizer)  # gwt-adamw:lr=-1 by the rule of --lr
         if self.grad_clip is not None:
@@ -202,7 +214,7 @@ class TrainConfig:
 # save, where and how verbosely to run. Every other setting shapes the
 # trajectory, and a different value would silently splice two runs together.
 RESUME_MAY_CHANGE = frozenset({
-    "out", "resume", "steps", "eval_every", "eval_batch_size", "save_every", "keep_last", "progress",
+    "out", "resume", "steps", "decay", "eval_every", "eval_batch_size", "save_every", "keep_last", "progress",
     "timing_warmup", "device", "micro_batch_size", "dist_timeout",
 })
 
@@ -234,26 +246,6 @@ class Callback:
         """After step ``step`` was applied and logged."""
 
 
-class WarmupCosine:
-    """LR multiplier: linear warm-up to 1, then cosine down to ``min_ratio``.
-
-    A callable object (not a lambda) so ``LambdaLR`` can checkpoint it.
-    """
-
-    def __init__(self, total_steps: int, warmup_steps: int, min_ratio: float = 0.1):
-        self.total_steps = max(1, total_steps)
-        self.warmup_steps = max(0, min(warmup_steps, self.total_steps))
-        self.min_ratio = min_ratio
-
-    def __call__(self, step: int) -> float:
-        # ``step`` counts finished optimizer steps: step 0 uses the first warm-up value.
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 class DetailClipAnneal:
     """A zero-state remedy candidate (issue 18): every GWT group's ``detail_clip``
     moves from its value at the start to ``end`` on the lr schedule's cosine
@@ -276,17 +268,6 @@ class DetailClipAnneal:
         s = 1.0 if step < self.shape.warmup_steps else self.shape(step)
         for i, start in self.starts.items():
             self.optimizer.param_groups[i]["detail_clip"] = self.end + (start - self.end) * s
-
-
-def warmup_steps(warmup: float, total_steps: int) -> int:
-    """Warm-up length from ``--warmup``: a fraction of ``total_steps`` when below 1,
-    else a number of steps.
-
-    The one rule of ``pretrain``, ``compare`` and ``finetune lm``: a fraction
-    is rounded to the nearest step, halves to even (Python's ``round``), so
-    the same flag gives the same schedule in every command.
-    """
-    return int(round(warmup * total_steps)) if warmup < 1 else int(warmup)
 
 
 IGNORE_INDEX = -100  # the label torch's cross-entropy (and transformers) skips
@@ -573,7 +554,7 @@ def _load_resume_state(run: Path, cfg: TrainConfig, dctx, restore) -> tuple[Path
     return path, step
 
 
-def _use_schedule(scheduler, schedule: "WarmupCosine") -> None:
+def _use_schedule(scheduler, schedule) -> None:
     """Put this run's schedule back after ``LambdaLR.load_state_dict``, which
     restores the saved one's fields (its old total), and set the current lr
     from it: a resume with more ``steps`` follows the rebuilt schedule, and an
@@ -785,8 +766,9 @@ def _micro_batches(cfg: TrainConfig, dctx) -> tuple[int, int]:
     return micro, accum
 
 
-def _schedule(cfg: TrainConfig) -> WarmupCosine:
-    return WarmupCosine(cfg.steps, warmup_steps(cfg.warmup, cfg.steps), cfg.min_lr_ratio)
+def _schedule(cfg: TrainConfig):
+    return make_schedule(cfg.schedule, cfg.steps, cfg.warmup, min_ratio=cfg.min_lr_ratio, decay=cfg.decay,
+                         decay_shape=cfg.decay_shape)
 
 
 def _build_training(cfg: TrainConfig, dctx, data) -> dict[str, Any]:
