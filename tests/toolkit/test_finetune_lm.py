@@ -179,3 +179,11 @@ def test_smollm2_loads_from_its_package():
         loss = model(input_ids=ids, labels=ids).loss
     # A pretrained model knows Genesis 1:1: far below the uniform log(49152) = 10.8.
     assert math.isfinite(float(loss)) and float(loss) < 5.0
+
+
+def test_finetune_lm_runs_a_wsd_schedule(tiny_llama, tmp_path):
+    settings = lm.LMSettings(model=str(tiny_llama), data=str(DATA / "lm_text"), seq_len=16, batch_size=2, steps=3,
+                             eval_batches=1, lrs=(1e-2,), isolate=False, progress=False, schedule="wsd", decay=1)
+    results, _ = lm.run_lm(["adamw"], settings, tmp_path)
+    assert results["runs"][0]["steps"] == 3 and math.isfinite(results["runs"][0]["val_ppl"])
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["schedule"] == "wsd"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -144,7 +145,8 @@ def add_training_arguments(p: argparse.ArgumentParser, *, single_optimizer: bool
     g.add_argument("--config", metavar="FILE", help="start from a run's config.json; flags given override it")
 
 
-_NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node", "overwrite"}
+_NOT_TRAIN_FIELDS = {"func", "command", "paper", "config", "optimizers", "list", "nproc_per_node", "overwrite",
+                     "decay_from"}
 
 
 def _read_config(path: str | Path, what: str) -> dict[str, Any]:
@@ -194,10 +196,55 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(summary_table([summary]))
 
 
+def branch_run(checkpoint: Path, out: Path | None) -> None:
+    """Start ``out`` as the run ``checkpoint`` belongs to, up to that checkpoint: its config.json and
+    environment.json, its metrics up to the checkpoint's step and the checkpoint itself, so that a resume in
+    ``out`` continues from there (``--decay-from``: a WSD run's stable-phase checkpoint decayed on demand, the
+    run itself untouched). Written under a temporary name and renamed into place."""
+    import os
+    import shutil
+
+    from gwt_optim.toolkit.errors import UsageError
+    from gwt_optim.toolkit.metrics import read_jsonl
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--decay-from copies a checkpoint into a new run folder from one process; under torchrun, "
+                         "copy the run folder with only that checkpoint in it and pass --resume")
+    if out is None:
+        raise UsageError("--decay-from needs --out, the new run's folder (the run it branches from is left as it is)")
+    if checkpoint.is_symlink() or not (checkpoint / "meta.json").is_file():
+        raise UsageError(f"--decay-from {checkpoint}: not a checkpoint folder (RUN/checkpoints/step_N, no links)")
+    run = checkpoint.resolve().parent.parent
+    match = re.fullmatch(r"step_(\d+)", checkpoint.name)
+    if match is None or not (run / "config.json").is_file():
+        raise UsageError(f"--decay-from {checkpoint}: not a checkpoint of a run folder (RUN/checkpoints/step_N)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--decay-from: --out {out} already holds files; choose a new folder")
+    if any(p.is_symlink() for p in checkpoint.rglob("*")):
+        raise UsageError(f"--decay-from {checkpoint}: holds a symbolic link; a checkpoint is plain files")
+    step = int(match.group(1))
+    staging = out.with_name(f".{out.name}.branching")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in ("config.json", "environment.json"):
+        if (run / name).is_file():
+            shutil.copyfile(run / name, staging / name)
+    if (run / "metrics.jsonl").is_file():
+        kept = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("step", 0) <= step]
+        (staging / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    shutil.copytree(checkpoint, staging / "checkpoints" / checkpoint.name)
+    if out.exists():
+        out.rmdir()
+    os.replace(staging, out)
+
+
 def run_pretrain(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.registry import validate_optimizer_spec
     from gwt_optim.toolkit.train import train
 
+    if getattr(args, "decay_from", None):
+        branch_run(Path(args.decay_from), Path(args.out) if hasattr(args, "out") else None)
+        args.resume = True
     cfg = resolve_config(args)
     validate_optimizer_spec(cfg.optimizer)
     check_inputs(cfg)
@@ -233,5 +280,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--keep-last, --micro-batch-size, --device, --dist-timeout and progress flags may change. A "
                    "new --steps rebuilds the warm-up/cosine schedule for the new total (steps already taken keep "
                    "their lr)")
+    p.add_argument("--decay-from", metavar="CHECKPOINT", default=argparse.SUPPRESS,
+                   help="start --out as a copy of the run CHECKPOINT (RUN/checkpoints/step_K) belongs to, up to step "
+                   "K, and continue it: with --schedule wsd, --steps K+D --decay D decays a stable-phase checkpoint "
+                   "over D steps, as a run planned so from the start would (the run itself is left as it is)")
     add_training_arguments(p, single_optimizer=True)
     p.set_defaults(func=run_pretrain)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SCHEDULES", "DECAY_SHAPES", "WarmupCosine", "WarmupStableDecay", "WarmupConstant", "make_schedule",
-           "steps_of", "warmup_steps", "describe"]
+__all__ = ["SCHEDULES", "DECAY_SHAPES", "HF_SCHEDULES", "hf_scheduler_args", "WarmupCosine", "WarmupStableDecay", "WarmupConstant", "make_schedule",
+           "steps_of", "warmup_steps", "describe", "check_schedule", "add_finetune_arguments"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("1-sqrt", "linear")
@@ -133,3 +133,42 @@ def describe(kind: str, warmup: float, *, min_ratio: float = 0.1, decay: float =
     if kind == "wsd":
         return f"{warmup} warm-up, stable, then a {decay_shape} decay to {min_ratio} over the last {decay}"
     return f"{warmup} warm-up then constant"
+
+
+HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
+
+
+def hf_scheduler_args(kind: str, total_steps: int, *, decay: float = 0.2, decay_shape: str = "1-sqrt",
+                      min_ratio: float = 0.0) -> tuple[str, dict]:
+    """``finetune``'s schedules, which train through Hugging Face's (``get_scheduler``, ``Trainer``): the
+    ``lr_scheduler_type`` and ``lr_scheduler_kwargs`` for ``kind``. Their cosine, linear and WSD decay to
+    ``min_ratio`` (Hugging Face's 0 by default) and their warm-up starts at 0, as fine-tuning recipes have it;
+    ``decay`` is read by :func:`steps_of` on ``total_steps``."""
+    if kind not in HF_SCHEDULES:
+        raise ValueError(f"schedule {kind!r}: choose one of {', '.join(HF_SCHEDULES)}")
+    if kind != "wsd":
+        return HF_SCHEDULES[kind], {}
+    if decay_shape not in DECAY_SHAPES:
+        raise ValueError(f"decay shape {decay_shape!r}: choose one of {', '.join(DECAY_SHAPES)}")
+    return HF_SCHEDULES[kind], {"num_decay_steps": steps_of(decay, total_steps), "decay_type": decay_shape,
+                                "min_lr_ratio": min_ratio}
+
+
+def add_finetune_arguments(p, *, default: str, kinds: tuple[str, ...]) -> None:
+    """``finetune lm`` and ``finetune glue``'s schedule flags (Hugging Face's schedulers: :func:`hf_scheduler_args`)."""
+    p.add_argument("--schedule", choices=kinds, default=default,
+                   help=f"lr after the warm-up, by Hugging Face's scheduler of that name, to 0 (default: {default})")
+    p.add_argument("--decay", type=float, default=0.2,
+                   help="wsd: the decay's length, a fraction of the steps if < 1, else steps (default: 0.2)")
+    p.add_argument("--decay-shape", choices=DECAY_SHAPES, default="1-sqrt",
+                   help="wsd: 1-sqrt or linear (default: 1-sqrt)")
+
+
+def check_schedule(kind: str, decay_shape: str, kinds: tuple[str, ...]) -> None:
+    """A settings object's schedule and decay shape, as a user's mistake (one line, exit 2)."""
+    from gwt_optim.toolkit.errors import UsageError
+
+    if kind not in kinds:
+        raise UsageError(f"--schedule {kind!r}: choose one of {', '.join(kinds)}")
+    if decay_shape not in DECAY_SHAPES:
+        raise UsageError(f"--decay-shape {decay_shape!r}: choose one of {', '.join(DECAY_SHAPES)}")

@@ -47,6 +47,7 @@ from gwt_optim.toolkit.finetune.glue_metrics import (
 )
 from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task, task_cell
+from gwt_optim.toolkit.schedules import HF_SCHEDULES, add_finetune_arguments
 from gwt_optim.toolkit.finetune.glue_train import GlueSettings, run_glue
 
 __all__ = [
@@ -85,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="hub id or local directory of a pretrained encoder")
     p.add_argument("--data-dir", default=None,
                    help="local GLUE data: DIR/<task>/<split>.jsonl|.tsv (default: the Hub's nyu-mll/glue)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every method (after the warm-up it "
-                   "decays linearly)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every method (after the warm-up "
+                   "--schedule takes it)")
     p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="training sequences per optimizer step")
     p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example; longer ones are cut")
@@ -94,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=d.max_steps,
                    help="stop after this many optimizer steps, whatever --epochs says; -1: --epochs decides")
     p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of them if < 1")
+    add_finetune_arguments(p, default=d.schedule, kinds=tuple(HF_SCHEDULES))
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
     p.add_argument("--max-train-samples", type=int, default=None,
                    help="train on the first N examples of each task (default: all)")
@@ -116,6 +118,9 @@ def main(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         max_steps=args.max_steps,
         warmup=args.warmup,
+        schedule=args.schedule,
+        decay=args.decay,
+        decay_shape=args.decay_shape,
         weight_decay=args.weight_decay,
         max_train_samples=args.max_train_samples,
         max_eval_samples=args.max_eval_samples,

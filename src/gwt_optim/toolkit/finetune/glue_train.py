@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from gwt_optim.toolkit.finetune.common import (
 from gwt_optim.toolkit.finetune.glue_data import _limit, _load_glue_tokenizer, _load_model, _tokenize, load_glue
 from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task
+from gwt_optim.toolkit.schedules import HF_SCHEDULES, check_schedule, hf_scheduler_args
 from gwt_optim.toolkit.train import lock_run_dir
 
 __all__ = ["GlueSettings", "run_glue"]
@@ -45,6 +47,9 @@ class GlueSettings:
     epochs: float = 3.0
     max_steps: int = -1
     warmup: float = 0.06
+    schedule: str = "linear"  # linear, cosine, wsd or constant: Hugging Face's (toolkit.schedules.hf_scheduler_args)
+    decay: float = 0.2  # wsd: the decay's length, read as warmup is
+    decay_shape: str = "1-sqrt"
     weight_decay: float = 0.0
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
@@ -57,7 +62,8 @@ class GlueSettings:
     def __post_init__(self) -> None:
         # max_steps -1: --epochs decides (transformers' convention)
         check_settings(self, counts=("batch_size", "max_length", "max_train_samples", "max_eval_samples"),
-                       positive=("lr", "scale", "epochs"), non_negative=("warmup", "weight_decay"))
+                       positive=("lr", "scale", "epochs"), non_negative=("warmup", "decay", "weight_decay"))
+        check_schedule(self.schedule, self.decay_shape, tuple(HF_SCHEDULES))
         if self.max_steps != -1:
             check_settings(self, counts=("max_steps",))
 
@@ -70,6 +76,11 @@ def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSe
     device = pick_device(settings.device)
     set_seed(settings.seed)  # the same classifier head for every method
     model = _load_model(settings.model, task)
+    # Trainer's own count of optimizer steps (one process, no accumulation), which WSD's decay is a fraction of
+    total = settings.max_steps if settings.max_steps > 0 else math.ceil(
+        settings.epochs * math.ceil(len(data["train"]) / settings.batch_size))
+    schedule, schedule_kwargs = hf_scheduler_args(settings.schedule, total, decay=settings.decay,
+                                                  decay_shape=settings.decay_shape)
     targs = TrainingArguments(
         output_dir=str(work_dir),
         per_device_train_batch_size=settings.batch_size,
@@ -78,7 +89,8 @@ def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSe
         weight_decay=settings.weight_decay,
         num_train_epochs=settings.epochs,
         max_steps=settings.max_steps,
-        lr_scheduler_type="linear",
+        lr_scheduler_type=schedule,
+        lr_scheduler_kwargs=schedule_kwargs,
         warmup_steps=settings.warmup,
         save_strategy="no",
         eval_strategy="no",

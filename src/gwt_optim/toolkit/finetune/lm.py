@@ -62,6 +62,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
 )
 from gwt_optim.toolkit.finetune.lm_report import best_runs, lm_report
 from gwt_optim.toolkit.finetune.lm_train import LMSettings, perplexity, run_lm, train_one
+from gwt_optim.toolkit.schedules import SCHEDULES, add_finetune_arguments
 
 __all__ = [
     "IGNORE_INDEX",
@@ -121,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="validation batches of --batch-size sequences each")
     p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
     p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of --steps if < 1")
+    add_finetune_arguments(p, default=d.schedule, kinds=SCHEDULES)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
                    help="clip the gradient norm at this value; 0 disables clipping")
@@ -147,6 +149,9 @@ def main(args: argparse.Namespace) -> int:
         lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()),
         scale=args.scale,
         warmup=args.warmup,
+        schedule=args.schedule,
+        decay=args.decay,
+        decay_shape=args.decay_shape,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm or None,
         seed=args.seed,

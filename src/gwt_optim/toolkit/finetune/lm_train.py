@@ -38,6 +38,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
 )
 from gwt_optim.toolkit.finetune.lm_report import lm_report
 from gwt_optim.toolkit.errors import UsageError
+from gwt_optim.toolkit.schedules import SCHEDULES, check_schedule
 from gwt_optim.toolkit.train import IGNORE_INDEX, lock_run_dir, next_token_losses
 
 __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
@@ -78,6 +79,9 @@ class LMSettings:
     # GWT's first steps have heavy-tailed detail updates (docs/finetuning.md):
     # short runs need a warm-up of several steps.
     warmup: float = 0.3
+    schedule: str = "cosine"  # cosine, wsd or constant: Hugging Face's (toolkit.schedules.hf_scheduler_args)
+    decay: float = 0.2  # wsd: the decay's length, read as warmup is
+    decay_shape: str = "1-sqrt"
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     seed: int = 0
@@ -89,7 +93,8 @@ class LMSettings:
 
     def __post_init__(self) -> None:
         check_settings(self, counts=("seq_len", "batch_size", "steps", "eval_batches"),
-                       positive=("lrs", "scale", "max_grad_norm"), non_negative=("warmup", "weight_decay"))
+                       positive=("lrs", "scale", "max_grad_norm"), non_negative=("warmup", "decay", "weight_decay"))
+        check_schedule(self.schedule, self.decay_shape, SCHEDULES)
         if not self.lrs:
             raise UsageError("--lrs needs at least one learning rate")
         if not 0 < self.val_fraction < 1:
@@ -101,13 +106,13 @@ def train_one(
 ) -> dict[str, Any]:
     """Fine-tune a fresh copy of the model with one method at one learning rate."""
     from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
+    from transformers import get_scheduler
 
     from gwt_optim.integrations.hf import default_target_modules
     from gwt_optim.toolkit.metrics import Throughput
     from gwt_optim.toolkit.models import count_parameters
     from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
-    from gwt_optim.toolkit.train import warmup_steps
+    from gwt_optim.toolkit.schedules import hf_scheduler_args, warmup_steps
 
     torch.manual_seed(settings.seed)  # LoRA's adapter init, GaLore/APOLLO projections
     memory = PeakMemory(device)
@@ -124,7 +129,10 @@ def train_one(
         lr=lr, weight_decay=settings.weight_decay, scale=settings.scale, target_modules=targets, options=options
     )
     optimizer = build_optimizer(spec.optimizer, model, config)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps(settings.warmup, settings.steps), settings.steps)
+    kind, kwargs = hf_scheduler_args(settings.schedule, settings.steps, decay=settings.decay,
+                                     decay_shape=settings.decay_shape)
+    scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup_steps(settings.warmup, settings.steps),
+                              num_training_steps=settings.steps, scheduler_specific_kwargs=kwargs)
     meter = Throughput(warmup=min(2, settings.steps - 1), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
