@@ -111,6 +111,11 @@ COMMANDS: dict[str, str] = {
         f"--out {{runs}}/local {_PRETRAIN}",
     "gwt-optim pretrain --paper 60m": _C4,
     "gwt-optim pretrain --out runs/gwt2 --resume": "gwt-optim pretrain --out {runs}/gwt2 --resume --steps 3",
+    "gwt-optim pretrain --schedule wsd --steps 1000 --save-every 100 --out runs/wsd":
+        f"gwt-optim pretrain --schedule wsd --steps 4 --save-every 100 --out {{runs}}/wsd {_PRETRAIN.replace('--steps 2 ', '')}",
+    "gwt-optim pretrain --decay-from runs/wsd/checkpoints/step_00000600 --out runs/wsd-600 --steps 750 --decay 150":
+        "gwt-optim pretrain --decay-from {runs}/wsd/checkpoints/step_00000004 --out {runs}/wsd-600 --steps 6 "
+        "--decay 150 --batch-size 2 --seq-len 32 --val-tokens 512",
     "gwt-optim report runs/demo": "gwt-optim report {runs}/demo",
     "gwt-optim report runs/a runs/b --out cmp/": "gwt-optim report {runs}/pretrain {runs}/local --out {tmp}/cmp/",
     "torchrun --nproc-per-node 8 -m gwt_optim pretrain --paper 130m --out runs/130m-gwt": _C4 + "; 8 GPUs",

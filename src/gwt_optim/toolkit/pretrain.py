@@ -276,10 +276,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=argparse.SUPPRESS, help=f"run directory (default: {run_defaults()['out']})")
     p.add_argument("--resume", action="store_true", default=argparse.SUPPRESS,
                    help="continue the run in --out from its latest checkpoint, exactly where it stopped, with "
-                   "the run's own config.json; only --steps, --eval-every, --eval-batch-size, --save-every, "
-                   "--keep-last, --micro-batch-size, --device, --dist-timeout and progress flags may change. A "
-                   "new --steps rebuilds the warm-up/cosine schedule for the new total (steps already taken keep "
-                   "their lr)")
+                   "the run's own config.json; only --steps, --decay, --eval-every, --eval-batch-size, "
+                   "--save-every, --keep-last, --micro-batch-size, --device, --dist-timeout and progress flags may "
+                   "change. A new --steps or --decay rebuilds the schedule for the new total (steps already taken "
+                   "keep their lr)")
     p.add_argument("--decay-from", metavar="CHECKPOINT", default=argparse.SUPPRESS,
                    help="start --out as a copy of the run CHECKPOINT (RUN/checkpoints/step_K) belongs to, up to step "
                    "K, and continue it: with --schedule wsd, --steps K+D --decay D decays a stable-phase checkpoint "
