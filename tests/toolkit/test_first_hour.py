@@ -26,25 +26,28 @@ def _error(capsys) -> str:
 # ----------------------------------------------------------------- --resume with nothing to resume
 
 
-def _listing(folder: Path) -> list[str] | None:
-    """What ``ls`` shows (the run lock, a dot file, may stay in a folder that existed)."""
-    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.exists() else None
+def _listing(folder: Path) -> dict[str, bytes] | None:
+    """Every entry of ``folder`` (dot files too: the run lock) with its content."""
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.exists() else None
 
 
-@pytest.mark.parametrize("folder", ["missing", "notes-only", "stopped-before-a-checkpoint"])
+@pytest.mark.parametrize("folder", ["missing", "empty", "notes-only", "stopped-before-a-checkpoint"])
 def test_resume_with_nothing_to_resume_refuses_in_one_line(tmp_path, capsys, folder):
     run = tmp_path / "notarun"
     if folder != "missing":
         run.mkdir()
+    if folder in ("notes-only", "stopped-before-a-checkpoint"):
         (run / "notes.md").write_text("my notes\n")
     if folder == "stopped-before-a-checkpoint":
         (run / "config.json").write_text("{}")
+        (run / ".writer.lock").write_text("12345 elsewhere\n")  # a lock file that was there stays as it was
     before = _listing(run)
     assert main(["pretrain", "--resume", "--out", str(run), "--no-progress"]) == 2
     line = _error(capsys)
     assert line.startswith("gwt-optim pretrain: error: --resume: ") and str(run) in line
     assert "continue" in line  # says there is nothing to continue, and what to do instead
-    # Nothing trained or written: a missing folder stays missing, a folder keeps just what it held.
+    # Nothing trained or written: a missing folder stays missing, a folder keeps just what it held
+    # (no run lock left behind).
     assert _listing(run) == before
 
 

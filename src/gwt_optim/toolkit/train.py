@@ -422,6 +422,12 @@ def lock_run_dir(folder: Path):
             if fcntl is None:
                 raise OSError("no fcntl on this platform")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A refused run removes the lock file it created (_prepare_run_dir): a lock taken on the
+            # file it removed would guard nothing, so take the one now in its place.
+            while not _same_file(fd, folder / LOCK_FILE):
+                os.close(fd)
+                fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             pid, _, host = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
             where = f" on {host}" if host and host != socket.gethostname() else ""
@@ -437,6 +443,13 @@ def lock_run_dir(folder: Path):
         yield
     finally:
         os.close(fd)  # and with it the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _nothing_to_resume(run: Path) -> str:
@@ -456,7 +469,6 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
     rank 0 holds its lock (:func:`lock_run_dir`) in ``held``, before anything reads
     or writes in it. ``must_resume``: a resume without a checkpoint to continue is
     refused (the command line's ``--resume``) rather than started from step 0."""
-    from gwt_optim.toolkit.checkpoint import list_checkpoints
     from gwt_optim.toolkit.errors import UsageError
 
     run = Path(cfg.out)
@@ -464,6 +476,7 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
         raise UsageError(f"--out {run} is a file, not a folder")
     if cfg.resume and must_resume and not run.is_dir():
         raise UsageError(_nothing_to_resume(run))
+    lock_before: bytes | None = b""
     if is_main:
         try:
             run.mkdir(parents=True, exist_ok=True)
@@ -471,7 +484,28 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
             raise UsageError(f"--out {run}: a file is in the way of that folder") from None
         if not os.access(run, os.W_OK):
             raise PermissionError(13, "permission denied", str(run))
+        try:
+            lock_before = (run / LOCK_FILE).read_bytes()
+        except FileNotFoundError:
+            lock_before = None
         held.enter_context(lock_run_dir(run))
+    try:
+        _check_run_dir(run, cfg, must_resume=must_resume)
+    except (UsageError, FileExistsError):
+        # A refused run leaves the folder as it found it (train() removes one it created).
+        if is_main and lock_before is None:
+            (run / LOCK_FILE).unlink(missing_ok=True)
+        elif is_main:
+            (run / LOCK_FILE).write_bytes(lock_before)
+        raise
+    return run
+
+
+def _check_run_dir(run: Path, cfg: TrainConfig, *, must_resume: bool) -> None:
+    """Refuse a run folder ``cfg`` cannot start or continue in (under its lock)."""
+    from gwt_optim.toolkit.checkpoint import list_checkpoints
+    from gwt_optim.toolkit.errors import UsageError
+
     saved = list_checkpoints(run)
     if not cfg.resume and (saved or any((run / f).is_file() for f in _RUN_FILES)):
         if not saved:  # nothing --resume could continue: do not send the user there
@@ -496,7 +530,6 @@ def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack
                 f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_MAY_CHANGE - {'out', 'resume'}))} "
                 "may change on resume; start a new run with another --out"
             )
-    return run
 
 
 def _is_eval_step(step: int, cfg: TrainConfig) -> bool:
