@@ -238,6 +238,21 @@ def test_memory_mistakes(capsys, argv, words):
     assert words in _error(capsys)
 
 
+@pytest.mark.parametrize("flag, names", [("--dtype", "DTYPE_NAMES"), ("--state-dtype", "STATE_DTYPE_NAMES")])
+def test_memory_dtype_error_lists_what_the_help_offers(capsys, flag, names):
+    import importlib
+
+    module = importlib.import_module("gwt_optim.memory.estimate")  # the package's `estimate` is the function
+    offered = list(getattr(module, names))
+    assert (flag == "--state-dtype") == ("int8" in offered)  # GWT-AdamW's 8-bit moments: a state dtype only
+    with pytest.raises(SystemExit):
+        main(["memory", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert f"{', '.join(offered)} or a torch dtype name" in helped
+    assert main(["memory", flag, "fp8"]) == 2
+    assert f"use one of {', '.join(offered)} or a torch dtype name" in _error(capsys)
+
+
 def test_report_on_an_empty_folder(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no summary.json" in _error(capsys)

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Iterable
 
-from gwt_optim.memory.estimate import ESTIMATORS, MemoryEstimate, estimate, estimator_key, training_estimate
+from gwt_optim.memory.estimate import (DTYPE_NAMES, ESTIMATORS, STATE_DTYPE_NAMES, MemoryEstimate, estimate,
+                                       estimator_key, training_estimate)
 
 __all__ = ["memory_table", "training_table", "column_name", "register"]
 
@@ -212,10 +213,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--level", type=int, default=2, help="GWT level l (default 2)")
     p.add_argument("--rank", type=int, default=None, help="GaLore/APOLLO rank (default: the papers' rank per size)")
-    p.add_argument("--dtype", default="bf16", help="weight and state dtype (default bf16, the papers' convention)")
+    p.add_argument("--dtype", default="bf16", help=f"weight and state dtype: {', '.join(DTYPE_NAMES)} or a torch "
+                   "dtype name (default bf16, the papers' convention)")
     p.add_argument("--recipe", default="paper", choices=("paper", "hidden"), help="which weights get the transform")
     p.add_argument("--state-dtype", default=None,
-                   help="optimizer-state dtype: the table's default is --dtype for every optimizer (the papers' "
+                   help=f"optimizer-state dtype, {', '.join(STATE_DTYPE_NAMES)} or a torch dtype name: the table's "
+                   "default is --dtype for every optimizer (the papers' "
                    "convention); fp32 gives GWT's default moments (int8: GWT-AdamW's only). With --peak: fp32 for "
                    "GWT, the weights' for others, unless given")
     p.add_argument("--out", default=None, help="also write the markdown to this file")

@@ -17,7 +17,7 @@ from gwt_optim.memory.skeleton import TensorSpec, _config_specs, _model_dims, lo
 from gwt_optim.registry import REGISTRY
 
 __all__ = ["ESTIMATORS", "ALIASES", "estimator_key", "MemoryEstimate", "estimate", "TrainingEstimate",
-           "training_estimate"]
+           "training_estimate", "DTYPE_NAMES", "STATE_DTYPE_NAMES"]
 
 
 # --------------------------------------------------------------------------- #
@@ -234,15 +234,19 @@ class MemoryEstimate:
         return 1.0 - self.state_bytes / baseline.state_bytes
 
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+#: The short names ``dtype`` takes (and ``gwt-optim memory --dtype`` lists), besides torch's own names.
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+#: Those ``state_dtype`` takes (``--state-dtype``): the weights' and GWT-AdamW's 8-bit moments.
+STATE_DTYPE_NAMES = {**DTYPE_NAMES, "int8": torch.int8}
 
 
-def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def _resolve_dtype(dtype: torch.dtype | str, names: dict[str, torch.dtype] = DTYPE_NAMES,
+                   what: str = "dtype") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    resolved = _DTYPE_NAMES.get(dtype, getattr(torch, dtype, None))
+    resolved = names.get(dtype, getattr(torch, dtype, None))
     if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or a torch dtype name")
+        raise ValueError(f"unknown {what} {dtype!r}; use one of {', '.join(names)} or a torch dtype name")
     return resolved
 
 
@@ -302,7 +306,7 @@ def estimate(
     if rank is None:
         rank = max((d or 256) // 4, 1)
     dtype = _resolve_dtype(dtype)
-    sdt = _resolve_dtype(state_dtype or dtype)
+    sdt = _resolve_dtype(state_dtype or dtype, STATE_DTYPE_NAMES, "state dtype")
     if sdt == torch.int8 and key != "gwt-adamw":
         raise ValueError(f"int8 state is estimated for gwt-adamw only (moment_dtype='int8'), not {key!r}")
     wb = dtype.itemsize
@@ -444,7 +448,8 @@ def training_estimate(
     wb = e.weight_bytes // e.n_params
     specs = (tensor_specs(model_or_config, recipe) if isinstance(model_or_config, nn.Module)
              else _config_specs(json.dumps(cfg, sort_keys=True), recipe, None, None))
-    sdt = _resolve_dtype(state_dtype or dtype or (torch.bfloat16 if wb == 2 else torch.float32))
+    sdt = _resolve_dtype(state_dtype or dtype or (torch.bfloat16 if wb == 2 else torch.float32), STATE_DTYPE_NAMES,
+                         "state dtype")
     settings = Settings(level=level, rank=1, weight_bytes=wb, state_bytes=sdt.itemsize, state_dtype=sdt)
     grads = max(t.numel for t in specs) * wb if step_in_backward else e.n_params * wb
     _, activations, held = _activation_bytes(cfg, batch_size, seq_len, wb, gradient_checkpointing)
