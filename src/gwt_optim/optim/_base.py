@@ -190,6 +190,17 @@ class GWTOptimizer(Optimizer):
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
+    def _whole_matrix(self, group: dict) -> bool:
+        """Whether the group's second half needs each sharded matrix whole
+        (GWT-Muon's Newton-Schulz): its sharded steps then wait for
+        :meth:`_between_phases`."""
+        return False
+
+    def _between_phases(self, pending: list) -> None:
+        """The family's collectives between the two halves of the sharded
+        steps ``pending`` (``_stepper.ParamStep``, the same parameters in the
+        same order on every rank), after the limiter's all-reduce."""
+
     # ------------------------------------------------------ state dicts --- #
 
     def state_dict(self) -> dict[str, Any]:

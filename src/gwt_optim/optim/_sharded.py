@@ -9,7 +9,7 @@ device mesh for all parameters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -100,3 +100,139 @@ def reduce_limiter_norms(pending: list[Any]) -> None:
             summed = flat.tolist()
         for ps, v in zip(steps, summed):
             ps.norm_sq = v
+
+
+# ------------------------------------------------ whole matrices (GWT-Muon) --- #
+#
+# Newton-Schulz needs a Muon-group matrix whole. Each one gets an owner rank in
+# the mesh dimension that shards its rows; the ranks of that dimension send
+# their rows of the matrix to its owner, the owner runs the function once on
+# the whole matrix and sends each rank its rows of the result: one batched
+# all_to_all each way per (mesh dimension, dtype), whatever the number of
+# matrices. Every rank of the dimension issues both, an empty shard included.
+
+
+def row_mesh_dim(p: Tensor) -> int | None:
+    """The mesh dimension whose ranks hold consecutive row chunks of the
+    DTensor ``p`` (``Shard(0)``; the other dimensions replicate it), or None
+    if every dimension replicates it. Any other layout is a ``ValueError``:
+    its owner could not reassemble the whole matrix from the shards."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = []
+    for i, pl in enumerate(p.placements):
+        if type(pl) is Shard and pl.dim % p.ndim == 0:
+            dims.append(i)
+        elif type(pl) is not Replicate:
+            dims = None
+            break
+    if dims is None or len(dims) > 1:
+        raise ValueError(
+            f"GWT-Muon gathers each Muon-group matrix from its row shards, which needs Shard(0) on one mesh "
+            f"dimension and Replicate on the others; this parameter is placed {tuple(p.placements)} "
+            "(FSDP2 or HSDP without tensor parallelism, or put it in a use_muon=False group)"
+        )
+    return dims[0] if dims else None
+
+
+def row_chunks(rows: int, ranks: int) -> list[int]:
+    """The rows each coordinate of a ``Shard(0)`` mesh dimension holds (torch.chunk's split, FSDP2's and DTensor's)."""
+    size = -(-rows // ranks)
+    return [max(0, min(size, rows - c * size)) for c in range(ranks)]
+
+
+def _owners(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
+    """An owner coordinate per matrix: largest Newton-Schulz cost first, each
+    to the least loaded rank (the same answer on every rank)."""
+    load = [0] * ranks
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][0] * shapes[i][1] * min(shapes[i])):
+        c = min(range(ranks), key=load.__getitem__)
+        owner[i] = c
+        load[c] += shapes[i][0] * shapes[i][1] * min(shapes[i])
+    return owner
+
+
+def on_whole_matrices(items: list[tuple[Tensor, Tensor]], fn: Callable[[int, Tensor], Tensor]) -> list[Tensor]:
+    """For each ``(p, X)``, ``p`` a 2-D DTensor parameter and ``X`` this
+    rank's rows of a matrix laid out as ``p`` (a plain tensor): this rank's
+    rows of ``fn(i, whole X)`` (``i``: the item's index; same shape and dtype),
+    run once per matrix, on its owner. Every rank of each mesh passes the same
+    parameters in the same order (their ``X`` are this rank's)."""
+    results: list[Tensor | None] = [None] * len(items)
+    batches: dict[tuple, list[int]] = {}
+    for i, (p, X) in enumerate(items):
+        dim = row_mesh_dim(p)
+        if dim is None or p.device_mesh.size(dim) == 1:
+            results[i] = fn(i, X)  # the rows here are the whole matrix
+        else:
+            batches.setdefault((id(p.device_mesh), dim, X.dtype), []).append(i)
+    for (_, dim, _), idx in batches.items():
+        _exchange([items[i] for i in idx], dim, lambda j, X, idx=idx: fn(idx[j], X), results, idx)
+    return results  # type: ignore[return-value]
+
+
+def _exchange(items: list[tuple[Tensor, Tensor]], dim: int, fn: Callable[[int, Tensor], Tensor],
+              results: list, where: list[int]) -> None:
+    """:func:`on_whole_matrices` for matrices whose rows one mesh dimension shards."""
+    import torch.distributed as dist
+
+    mesh = items[0][0].device_mesh
+    group, ranks, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    # all_to_all's splits are in the group's rank order; the row chunks in the mesh's coordinate order.
+    coordinate = list(mesh.get_coordinate())
+    line = []
+    for c in range(ranks):
+        coordinate[dim] = c
+        line.append(dist.get_group_rank(group, int(mesh.mesh[tuple(coordinate)])))
+    by_group_rank = sorted(range(ranks), key=line.__getitem__)  # coordinates in group-rank order
+    shapes = [tuple(p.shape) for p, _ in items]
+    chunks = [row_chunks(m, ranks) for m, _ in shapes]
+    owner = _owners(shapes, ranks)
+    for (p, X), ch in zip(items, chunks):
+        if X.shape != (ch[me], p.shape[1]):
+            raise ValueError(f"a shard of {tuple(p.shape)} on {tuple(p.placements)} holds {tuple(X.shape)}, "
+                             f"not the {ch[me]} rows of torch.chunk's split that GWT-Muon reassembles")
+    dtype, device = items[0][1].dtype, items[0][1].device
+    mine = [j for j in range(len(items)) if owner[j] == me]
+
+    # To the owners: each rank's rows of every matrix, grouped by owner.
+    send = [[items[j][1].reshape(-1) for j in range(len(items)) if owner[j] == c] for c in by_group_rank]
+    send_sizes = [sum(t.numel() for t in ts) for ts in send]
+    recv_sizes = [sum(chunks[j][c] * shapes[j][1] for j in mine) for c in by_group_rank]
+    received = _all_to_all([t for ts in send for t in ts], send_sizes, recv_sizes, dtype, device, group)
+    wholes = {j: torch.empty(shapes[j], dtype=dtype, device=device) for j in mine}
+    offset = 0
+    for c in by_group_rank:
+        for j in mine:
+            start, n = sum(chunks[j][:c]), chunks[j][c]
+            wholes[j][start:start + n].view(-1).copy_(received[offset:offset + n * shapes[j][1]])
+            offset += n * shapes[j][1]
+    done = {j: fn(j, X) for j, X in wholes.items()}
+
+    # Back from the owners: each rank's rows of every result it holds a shard of.
+    send = [[done[j][sum(chunks[j][:c]):sum(chunks[j][:c + 1])].reshape(-1) for j in mine] for c in by_group_rank]
+    send_sizes = [sum(t.numel() for t in ts) for ts in send]
+    recv_sizes = [sum(chunks[j][me] * shapes[j][1] for j in range(len(items)) if owner[j] == c)
+                  for c in by_group_rank]
+    received = _all_to_all([t for ts in send for t in ts], send_sizes, recv_sizes, dtype, device, group)
+    offset = 0
+    for c in by_group_rank:
+        for j in range(len(items)):
+            if owner[j] == c:
+                n = chunks[j][me] * shapes[j][1]
+                results[where[j]] = received[offset:offset + n].view(chunks[j][me], shapes[j][1])
+                offset += n
+
+
+def _all_to_all(parts: list[Tensor], send_sizes: list[int], recv_sizes: list[int], dtype: torch.dtype,
+                device: torch.device, group: Any) -> Tensor:
+    import torch.distributed as dist
+
+    send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+    received = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group)
+    return received
+
+
+__all__ += ["row_mesh_dim", "row_chunks", "on_whole_matrices"]

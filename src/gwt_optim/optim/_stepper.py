@@ -260,9 +260,12 @@ class Stepper:
             if plan is not None:
                 self.plans[key] = plan
                 plan.run(None, skipped)
-        # The batched steps no plan holds, then the limiter's all-reduce and the deferred second halves.
+        # The batched steps no plan holds, then the limiter's all-reduce, the family's exchange
+        # (GWT-Muon's whole matrices) and the deferred second halves.
         _launch(_buckets(batched), skipped)
         reduce_limiter_norms(deferred)
+        if deferred:
+            opt._between_phases(deferred)
         for ps in deferred:
             _phase2(opt, ps)
 
@@ -302,7 +305,7 @@ class Stepper:
                 continue
             if ps.batched:
                 batched.append(ps)
-            elif _needs_collective(ps):
+            elif _needs_collective(opt, ps):
                 deferred.append(ps)
             else:
                 _phase2(opt, ps)
@@ -382,9 +385,10 @@ def _phase2(opt: Any, ps: ParamStep) -> None:
     ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r, step_size, 1 - lr * group["weight_decay"])
 
 
-def _needs_collective(ps: ParamStep) -> bool:
-    """Whether phase 2 must wait for the all-reduce of the limiter's norms (FSDP2)."""
-    return ps.limited and is_dtensor(ps.full_param)
+def _needs_collective(opt: Any, ps: ParamStep) -> bool:
+    """Whether phase 2 must wait for the all-reduce of the limiter's norms or
+    for the family's exchange between the phases (FSDP2)."""
+    return is_dtensor(ps.full_param) and (ps.limited or opt._whole_matrix(ps.group))
 
 
 def _check_waits(grad: Tensor) -> bool:

@@ -52,6 +52,7 @@ from gwt_optim import wavelets
 __all__ = [
     "gwt_adamw", "gwt_muon", "gwt_adam_mini", "gwt_adafactor", "Moments",
     "gwt_adamw_moments", "gwt_adamw_apply", "gwt_muon_moments", "gwt_muon_apply",
+    "gwt_muon_apply_orthogonalized", "muon_input",
     "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
     "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
@@ -394,9 +395,16 @@ def muon_direction(G: Tensor, A: Tensor, B: Tensor, alpha: float, level: int, *,
     Newton-Schulz first divides X by its norm, so any scale of X (a limiter's
     r, or alpha) would cancel: alpha multiplies the orthogonalized direction.
     """
-    X = direction(G, A, B, None, 1.0, 1.0, level, None, coeffs)
+    X = muon_input(G, A, B, level, coeffs)
     O = zeropower_via_newtonschulz(X, ns_coefficients, ns_steps, ns_eps, ns_dtype).to(X.dtype)
     return O.mul_(alpha) if alpha != 1 else O
+
+
+def muon_input(G: Tensor, A: Tensor, B: Tensor, level: int, coeffs: wavelets.Coefficients | None = None) -> Tensor:
+    """X = IDWT([B~, D_l, ..., D_1]), Newton-Schulz's input, full size. The
+    transform runs along the last axis, so each row of X needs only its own
+    row of G, A and B~: a row shard computes its rows of X."""
+    return direction(G, A, B, None, 1.0, 1.0, level, None, coeffs)
 
 
 def gwt_muon_moments(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, momentum: float, nesterov: bool,
@@ -413,6 +421,17 @@ def gwt_muon_apply(W: Tensor, m: Moments, *, lr: float, weight_decay: float, alp
     delta = muon_direction(m.G, m.A, m.U, alpha, m.level, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                            ns_eps=ns_eps, ns_dtype=ns_dtype, coeffs=m.coeffs)
     apply_update(W, delta, lr=lr, weight_decay=weight_decay, step_size=lr * adjust_lr_ratio(adjust_lr_fn, W.shape))
+
+
+def gwt_muon_apply_orthogonalized(W: Tensor, O: Tensor, *, lr: float, weight_decay: float, alpha: float,
+                                  shape: tuple[int, int], adjust_lr_fn: str | None = None) -> None:
+    """The second half of :func:`gwt_muon` given ``O``, the Newton-Schulz
+    orthogonalization of :func:`muon_input` computed elsewhere, in the compute
+    dtype (updated in place): under FSDP2 ``W`` and ``O`` are a row shard and
+    ``shape`` the whole matrix's, which Muon's learning-rate ratio reads. The
+    same operations as :func:`gwt_muon_apply` on those rows."""
+    apply_update(W, O.mul_(alpha) if alpha != 1 else O, lr=lr, weight_decay=weight_decay,
+                 step_size=lr * adjust_lr_ratio(adjust_lr_fn, shape))
 
 
 def gwt_muon(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, lr: float, momentum: float, nesterov: bool,

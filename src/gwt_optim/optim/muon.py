@@ -11,7 +11,7 @@ full, with ``ns_dtype``'s measured precision and speed.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from gwt_optim.optim import adamw
 from gwt_optim.optim import functional as F
 from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
+from gwt_optim.optim._sharded import check_sharding, is_dtensor, on_whole_matrices, row_mesh_dim
 from gwt_optim.optim.functional import (_ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adjust_lr_ratio,
                                         zeropower_via_newtonschulz)
 
@@ -89,14 +90,14 @@ class GWTMuon(GWTOptimizer):
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)
         if group["use_muon"]:
-            if type(p).__name__ == "DTensor":
-                raise NotImplementedError("GWT-Muon orthogonalizes whole matrices; sharded (FSDP2/DTensor) parameters "
-                                          "are not supported in use_muon groups. Use GWTAdamW for sharded training")
             if p.ndim != 2:
                 raise ValueError(
                     f"Muon groups take 2-D weights, got {where}; put it in a "
                     "group with use_muon=False (AdamW), as gwt_optim.toolkit's 'gwt-muon' factory does"
                 )
+            if is_dtensor(p):  # the layouts whose row shards an owner can reassemble (_sharded)
+                check_sharding(p)
+                row_mesh_dim(p)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not 0.0 <= g["momentum"] < 1.0:
@@ -129,18 +130,60 @@ class GWTMuon(GWTOptimizer):
         # Newton-Schulz divides by the norm first, so the limiter would cancel.
         return not group["use_muon"] and super()._limiter_enabled(group, transformed)
 
-    def _moments(self, group, state, W, G, step):
+    # AdamW groups: every statistic is an entry's or a row's, as GWTAdamW's (nothing to reduce); Muon groups:
+    # X is computed row by row, and the whole matrix meets in _between_phases.
+    def _moments(self, group, state, W, G, step, *, reduce=None):
         if not group["use_muon"]:
             return adamw.moments(group, state, W, G, step, self._impl)
         return F.gwt_muon_moments(W, G, state["momentum_buffer"], momentum=group["momentum"],
                                   nesterov=group["nesterov"], level=group["level"], impl=self._impl,
                                   wavelet=group["wavelet"])
 
-    def _apply(self, group, W, m, r, step):
+    def _whole_matrix(self, group) -> bool:
+        return group["use_muon"]
+
+    def _between_phases(self, pending) -> None:
+        """Each sharded Muon matrix's Newton-Schulz, once, on the whole matrix
+        (:func:`~gwt_optim.optim._sharded.on_whole_matrices`): every rank
+        computes its rows of X, an owner rank orthogonalizes the whole, each
+        rank takes its rows back. Rows travel in the narrower of X's dtype and
+        ``ns_dtype``: Newton-Schulz reads X in ``ns_dtype`` and its result is
+        cast to X's, so either way the bits are one process's."""
+        steps = [ps for ps in pending if ps.group["use_muon"]]
+        if not steps:
+            return
+        items = []
+        for ps in steps:
+            m = ps.carry
+            X = F.muon_input(m.G, m.A, m.U, m.level, m.coeffs)
+            ns = NS_DTYPES[ps.group["ns_dtype"]]
+            wire = ns if torch.finfo(ns).bits <= torch.finfo(X.dtype).bits else X.dtype
+            items.append((ps.full_param, X.to(wire)))
+
+        def orthogonalize(i: int, X: Tensor) -> Tensor:
+            g = steps[i].group
+            O = zeropower_via_newtonschulz(X, g["ns_coefficients"], g["ns_steps"], g["ns_eps"], NS_DTYPES[g["ns_dtype"]])
+            return O.to(X.dtype)
+
+        for ps, O in zip(steps, on_whole_matrices(items, orthogonalize)):
+            ps.carry = _Orthogonalized(O.to(ps.carry.G.dtype), tuple(ps.full_param.shape))
+
+    def _apply(self, group, W, m, r, step, *, reduce=None):
         if not group["use_muon"]:
             return adamw.apply(group, W, m, r, step)
+        if isinstance(m, _Orthogonalized):  # a sharded matrix (_between_phases)
+            F.gwt_muon_apply_orthogonalized(W, m.O, lr=group_lr(group), weight_decay=group["weight_decay"],
+                                            alpha=group["scale"], shape=m.shape, adjust_lr_fn=group["adjust_lr_fn"])
+            return
         # alpha once, on the orthogonalized direction (r is 1: no limiter in a Muon group).
         F.gwt_muon_apply(W, m, lr=group_lr(group), weight_decay=group["weight_decay"], alpha=group["scale"],
                          ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
                          ns_eps=group["ns_eps"], ns_dtype=NS_DTYPES[group["ns_dtype"]],
                          adjust_lr_fn=group["adjust_lr_fn"])
+
+
+class _Orthogonalized(NamedTuple):
+    """A sharded Muon matrix's carry after :meth:`GWTMuon._between_phases`."""
+
+    O: Tensor  # this shard's rows of NS(X), in the compute dtype
+    shape: tuple[int, int]  # the whole matrix's
