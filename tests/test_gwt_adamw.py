@@ -563,3 +563,46 @@ def test_drop_in_on_model_parameters():
     model(torch.randint(0, 50, (4, 7))).logsumexp(-1).mean().backward()
     opt.step()
     assert len(opt.state) == 3
+
+
+# ------------------------------------------------------- moment_dtype as torch writes it --- #
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float64", "int8"])
+@pytest.mark.parametrize("family", ["GWTAdamW", "GWTMuon", "GWTAdamMini", "GWTAdafactor"])
+def test_moment_dtype_takes_the_torch_dtype_of_each_name(family, name):
+    import json
+
+    import gwt_optim
+    from gwt_optim.optim._backends import MOMENT_DTYPES
+
+    cls = getattr(gwt_optim, family)
+    as_torch = torch.int8 if name == "int8" else MOMENT_DTYPES[name]
+    if name == "int8" and not cls._INT8_MOMENTS:
+        with pytest.raises(ValueError, match="moment_dtype='int8' is not implemented"):
+            cls([torch.nn.Parameter(torch.zeros(4, 8))], moment_dtype=as_torch)
+        return
+    runs = []
+    for md in (name, as_torch):
+        torch.manual_seed(0)
+        W, V = torch.nn.Parameter(torch.randn(8, 32)), torch.nn.Parameter(torch.randn(8, 32))
+        # in the constructor, and in a group of its own (the two paths that store it)
+        opt = cls([{"params": [W]}, {"params": [V], "moment_dtype": md}], lr=1e-2, level=2, moment_dtype=md)
+        for _ in range(2):
+            W.grad, V.grad = torch.randn_like(W), torch.randn_like(V)
+            opt.step()
+        runs.append((W.detach().clone(), V.detach().clone(), opt.state_dict()))
+    (W1, V1, sd1), (W2, V2, sd2) = runs
+    assert torch.equal(W1, W2) and torch.equal(V1, V2)  # the same update, bit for bit
+    # Saved by name: JSON-able groups, identical to the string's
+    assert [g["moment_dtype"] for g in sd2["param_groups"]] == [name, name]
+    assert json.dumps(sd2["param_groups"]) == json.dumps(sd1["param_groups"])
+    buf = io.BytesIO()
+    torch.save(sd2, buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)
+
+
+def test_moment_dtype_refuses_a_torch_dtype_no_name_has():
+    with pytest.raises(ValueError, match=r"Invalid moment_dtype: torch.float16 \(one of .*the torch dtype of one"):
+        GWTAdamW([torch.nn.Parameter(torch.zeros(4, 8))], moment_dtype=torch.float16)

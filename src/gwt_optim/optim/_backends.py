@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
-           "moment_dtype", "route_key", "check_pointers"]
+           "moment_dtype", "moment_dtype_name", "route_key", "check_pointers"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -227,6 +227,16 @@ def candidates(backend: str, device_type: str, level: int) -> list[tuple[str, bo
         return [("triton", False)] if backend in ("auto", "triton") else []
     names = _AUTO.get(device_type, ()) if backend == "auto" else (backend,)
     return [(name, i == len(names) - 1) for i, name in enumerate(names)]
+
+
+def moment_dtype_name(md: Any) -> Any:
+    """``moment_dtype`` as groups hold it (a :data:`MOMENT_DTYPES` name, saved as is in a state
+    dict): a torch dtype becomes its name (``torch.int8``: ``"int8"``); any other value is left for
+    the validation to refuse."""
+    if isinstance(md, torch.dtype):
+        names = {v: k for k, v in MOMENT_DTYPES.items() if k != "int8"}  # int8's codes are uint8: not that dtype
+        return "int8" if md == torch.int8 else names.get(md, md)
+    return md
 
 
 def moment_dtype(group: dict, compute_dtype: torch.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
 from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_flat_list_does
-from gwt_optim.optim._backends import MOMENT_DTYPES
+from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
@@ -87,6 +87,8 @@ class GWTOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._validate_group(merged)
+        if "moment_dtype" in param_group:
+            param_group["moment_dtype"] = merged["moment_dtype"]  # by name, as the validation put it
         params = param_group["params"]
         if isinstance(params, Tensor):
             params = [params]
@@ -147,9 +149,10 @@ class GWTOptimizer(Optimizer):
         if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
                                      and math.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid detail_clip: {clip!r} (a finite number > 0, or None for the paper's update)")
-        md = g["moment_dtype"]
+        md = g["moment_dtype"] = moment_dtype_name(g["moment_dtype"])  # torch.bfloat16 is kept as "bfloat16"
         if md is not None and md not in MOMENT_DTYPES:
-            raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)} or None)")
+            raise ValueError(f"Invalid moment_dtype: {md!r} (one of {sorted(MOMENT_DTYPES)}, the torch dtype of "
+                             "one, or None)")
         if md == "int8" and not self._INT8_MOMENTS:
             raise ValueError(f"moment_dtype='int8' is not implemented for {self._family} (GWTAdamW has it)")
         self._validate_family(g)
