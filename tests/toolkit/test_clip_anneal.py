@@ -1,5 +1,5 @@
-"""The detail-clip annealing remedy candidate (issue 18): the clip follows the lr
-schedule's cosine from its start value to ``detail_clip_end``, only on GWT
+"""The detail-clip annealing remedy candidate (issues 18 and 54): the clip follows the lr
+schedule's decay from its start value to ``detail_clip_end``, only on GWT
 groups, with no state of its own (a resumed run is bitwise the uninterrupted one)."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from gwt_optim.optim import GWTAdamW
 from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
 from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg
+from gwt_optim.toolkit.schedules import WarmupCosine, WarmupStableDecay
 from gwt_optim.toolkit.train import DetailClipAnneal, train
 
 
 def test_the_clip_follows_the_cosine_on_gwt_groups_only():
     w, b = torch.nn.Parameter(torch.zeros(8, 8)), torch.nn.Parameter(torch.zeros(8))
     opt = GWTAdamW([{"params": [w], "level": 2}, {"params": [b], "level": 0}], lr=1e-3, detail_clip=0.5)
-    anneal = DetailClipAnneal(opt, 2.0, total_steps=12, warmup_steps=2)
+    anneal = DetailClipAnneal(opt, 2.0, WarmupCosine(12, 2, 0.0))
     opt.load_state_dict(opt.state_dict())  # new group dicts, as on resume: the anneal must follow them
     seen = []
     for step in range(13):
@@ -32,6 +33,18 @@ def test_the_clip_follows_the_cosine_on_gwt_groups_only():
     assert seen[-1] == pytest.approx(2.0) and all(a <= b for a, b in zip(seen, seen[1:]))
     mid = 2 + 5  # halfway through the cosine
     assert seen[mid] == pytest.approx(2.0 + (0.5 - 2.0) * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_under_wsd_the_clip_holds_through_the_stable_phase_and_moves_with_the_decay():
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = GWTAdamW([{"params": [w], "level": 2}], lr=1e-3, detail_clip=0.25)
+    anneal = DetailClipAnneal(opt, 0.5, WarmupStableDecay(20, 2, min_ratio=0.1, decay_steps=4, shape="linear"))
+    seen = []
+    for step in range(20):
+        anneal.apply(step)
+        seen.append(opt.param_groups[0]["detail_clip"])
+    assert seen[:16] == [0.25] * 16 and seen[19] == pytest.approx(0.5)
+    assert seen[16] == pytest.approx(0.25 + 0.25 * 0.25) and all(a <= b for a, b in zip(seen, seen[1:]))
 
 
 @pytest.mark.parametrize("spec", ["gwt-adamw:detail_clip_end=0", "gwt-adamw:detail_clip_end=inf",

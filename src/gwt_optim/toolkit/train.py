@@ -247,12 +247,13 @@ class Callback:
 
 
 class DetailClipAnneal:
-    """A zero-state remedy candidate (issue 18): every GWT group's ``detail_clip``
-    moves from its value at the start to ``end`` on the lr schedule's cosine
-    (constant during warm-up). The value depends on the step alone, so a resumed
-    run recomputes it; the kernels read the clip afresh at every step."""
+    """A zero-state remedy candidate (issues 18 and 54): every GWT group's ``detail_clip`` moves from its value
+    at the start to ``end`` as the run's lr schedule decays: at the spec's value while the lr is at its peak
+    (warm-up, WSD's stable phase, a constant schedule), at ``end`` where the lr reaches the schedule's floor.
+    The value depends on the step alone, so a resumed run recomputes it; the kernels read the clip afresh at
+    every step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, end: float, total_steps: int, warmup_steps: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, end: float, schedule):
         # By index: load_state_dict replaces the group dicts, and the start values
         # must be the spec's, not a checkpoint's (already annealed) ones.
         self.optimizer = optimizer
@@ -260,12 +261,14 @@ class DetailClipAnneal:
                        if g.get("level") and g.get("detail_clip") is not None}
         if not self.starts:
             raise ValueError("detail_clip_end: no GWT group has a detail_clip to anneal")
-        self.shape = WarmupCosine(total_steps, warmup_steps, 0.0)
+        self.schedule = schedule
         self.end = end
 
     def apply(self, step: int) -> None:
         """Set the clip for the step after ``step`` finished steps."""
-        s = 1.0 if step < self.shape.warmup_steps else self.shape(step)
+        floor = getattr(self.schedule, "min_ratio", 0.0)
+        s = 1.0 if step < self.schedule.warmup_steps or floor >= 1 else (self.schedule(step) - floor) / (1 - floor)
+        s = min(1.0, max(0.0, s))
         for i, start in self.starts.items():
             self.optimizer.param_groups[i]["detail_clip"] = self.end + (start - self.end) * s
 
@@ -827,7 +830,7 @@ def _build_training(cfg: TrainConfig, dctx, data) -> dict[str, Any]:
     clip_end = getattr(optimizer, "detail_clip_end", None)
     clip_anneal = None
     if clip_end is not None:
-        clip_anneal = DetailClipAnneal(optimizer, clip_end, cfg.steps, warmup_steps(cfg.warmup, cfg.steps))
+        clip_anneal = DetailClipAnneal(optimizer, clip_end, _schedule(cfg))
     return dict(model=model, n_params=n_params, optimizer=optimizer, opt_info=opt_info, scheduler=scheduler,
                 clip_anneal=clip_anneal)
 
