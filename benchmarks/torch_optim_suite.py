@@ -31,7 +31,7 @@ one-line reason and the deepest ``gwt_optim`` frame of its traceback.
 
 The entries (``optim_inputs_func`` mirrors torch's entry for the same
 algorithm, keeping only the hyperparameters our constructor accepts: a key it
-does not take, such as ``maximize`` or ``amsgrad``, is dropped from the input
+does not take, such as ``amsgrad``, or an implementation keyword (below), is dropped from the input
 and inputs that become duplicates are dropped):
 
 =================  ===========  =========================================
@@ -45,8 +45,11 @@ entry              mirrors      fixed kwargs
 ``GWTAdafactor``   Adafactor    (none)
 =================  ===========  =========================================
 
-The flags: ``supported_impls=()`` (the constructors take no ``foreach``,
-``fused`` or ``differentiable``), ``not_og_supported_flags=()``,
+The flags: ``supported_impls=()`` (the constructors take torch's ``foreach``,
+``fused``, ``maximize``, ``capturable`` and ``differentiable``, but map them
+onto ``backend=`` or refuse them, as ``docs/families.md`` says: torch's inputs
+and error inputs with those keys are left out, as before the constructors took
+them), ``not_og_supported_flags=()``,
 ``supports_complex=False`` (GWT rejects complex parameters at construction,
 documented), the default schedulers (StepLR, ReduceLROnPlateau), as torch's
 AdamW/Muon/Adafactor entries. Error inputs are torch's for the mirrored entry,
@@ -141,7 +144,11 @@ def build_entries():
             return self.label
 
     def accepted(cls):
-        return set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        # torch's implementation keywords are taken, but only as their rule allows (tests/test_torch_keywords.py):
+        # left out here, as before the constructors took them, so that torch's inputs run as they did.
+        from gwt_optim.optim._base import TORCH_KEYWORDS
+
+        return set(inspect.signature(cls.__init__).parameters) - {"self", "params"} - set(TORCH_KEYWORDS)
 
     def mirror_inputs(torch_func, cls, fixed):
         keys = accepted(cls)

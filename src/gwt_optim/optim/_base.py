@@ -28,9 +28,19 @@ from gwt_optim.optim._saved import check_family, check_saved_state, describe, sa
 from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
-__all__ = ["GWTOptimizer", "IMPLEMENTATIONS"]
+__all__ = ["GWTOptimizer", "IMPLEMENTATIONS", "TORCH_KEYWORDS"]
 
 IMPLEMENTATIONS = ("reference", "fast")
+
+#: ``torch.optim.AdamW``'s implementation keywords, each with the value that
+#: asks for nothing. Every family takes them, as constructor keywords or as
+#: group keys (torchtitan passes ``fused``/``foreach`` that way), keeps them in
+#: its defaults and groups as torch does, and holds them to one rule:
+#: :meth:`GWTOptimizer._check_torch_keywords` (docs/families.md, "torch's
+#: implementation keywords").
+TORCH_KEYWORDS: dict[str, bool | None] = {
+    "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+}
 
 
 class GWTOptimizer(Optimizer):
@@ -51,7 +61,9 @@ class GWTOptimizer(Optimizer):
     _KERNELS: type | None = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], *,
-                 impl: str = "fast", backend: str = "auto", compile: bool | str | None = None) -> None:
+                 impl: str = "fast", backend: str = "auto", compile: bool | str | None = None,
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None) -> None:
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
         base = {
@@ -59,11 +71,18 @@ class GWTOptimizer(Optimizer):
             "detail_clip": None,  # opt-in small-batch remedy (docs/algorithm.md): None is the paper's update
         }
         base.update(defaults)
-        self._validate_group(base)
+        base.update(maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                    fused=fused)
         self._impl = impl
         self._backend, self._strict = backend_option(backend, compile)
-        self._init_bookkeeping()
         params = params if isinstance(params, Tensor) else list(params)  # a generator can be read once
+        # A request for the eager loop must be taken before the kernels are built (a request for the
+        # kernels is taken as each group is checked); the first group that asks decides (the rest must agree).
+        asked = [_kernel_request({**base, **g}) for g in params if isinstance(g, dict)] or [_kernel_request(base)]
+        if next((r for r in asked if r is not None), None) == "loop" and self._backend == "auto" and not self._strict:
+            self._backend = "eager"
+        self._init_bookkeeping()
+        self._validate_group(base)
         say_what_a_flat_list_does(self._family, params, base)
         super().__init__(params, base)
 
@@ -109,9 +128,8 @@ class GWTOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         compile = state.pop("_compile", None)  # pickled before backend= (issue 45)
         super().__setstate__(state)
-        # torch adds its optimizers' `differentiable` option here; copied into
-        # every group, it would make a reloaded state_dict() differ.
-        self.defaults.pop("differentiable", None)
+        for key, off in TORCH_KEYWORDS.items():  # pickled before the torch keywords were taken
+            self.defaults.setdefault(key, off)
         # Older checkpoints may lack keys added later; fill with the defaults.
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -155,7 +173,42 @@ class GWTOptimizer(Optimizer):
                              "one, or None)")
         if md == "int8" and not self._INT8_MOMENTS:
             raise ValueError(f"moment_dtype='int8' is not implemented for {self._family} (GWTAdamW has it)")
+        self._check_torch_keywords(g)
         self._validate_family(g)
+
+    def _check_torch_keywords(self, g: dict[str, Any]) -> None:
+        """The one rule for torch's implementation keywords (:data:`TORCH_KEYWORDS`)
+        in a group (or the defaults): each holds, is mapped, or is a ``ValueError``.
+
+        ``maximize``, ``capturable``, ``differentiable``: False only (no GWT
+        step maximizes, runs under CUDA-graph capture or is differentiated).
+        ``fused`` and ``foreach`` (None, False or True) ask for an
+        implementation of the same update, as in torch; here ``backend=``
+        chooses it, one choice per optimizer: ``fused=True`` asks for the fused
+        kernels (GWT-AdamW's, impl "fast"): ``backend="auto"`` then makes a
+        kernel that fails to build an error, as a named backend does;
+        ``fused=False`` or ``foreach=False`` (without ``fused=True``) asks for
+        the eager per-tensor step: ``backend="auto"`` becomes ``"eager"`` when
+        the constructor or its first groups ask so; ``foreach=True`` asks for a
+        multi-tensor step GWT does not have. A request the optimizer's choice
+        cannot meet is refused, never run otherwise."""
+        for key in ("maximize", "capturable", "differentiable"):
+            if g.get(key, False):
+                raise ValueError(f"{self._family}: {key}={g[key]!r} is not supported: {_REFUSED[key]}")
+        request = _kernel_request(g)
+        if request is None:
+            return
+        kernels = self.__dict__.get("_kernels")
+        why_not = f"{self._family} has no fused kernels" if kernels is None else kernels.refusal(g)
+        if request == "fused":
+            if why_not is not None:
+                raise ValueError(f"{self._family}: fused=True cannot hold: {why_not}; pass fused=None or False "
+                                 "(torchtitan: implementation='for-loop')")
+            self._strict = kernels.strict = True  # backend="auto": a kernel that fails to build is an error
+        elif why_not is None:
+            raise ValueError(f"{self._family}: {'fused' if g.get('fused') is False else 'foreach'}=False asks for "
+                             f"the eager step, but this optimizer runs fused kernels (backend={self._backend!r}); "
+                             "pass it to the constructor with backend='auto', or pass backend='eager'")
 
     # ---------------------------------------------------- family hooks --- #
 
@@ -228,6 +281,10 @@ class GWTOptimizer(Optimizer):
                 "checkpoint does not match this optimizer: it holds "
                 f"{len(saved_ids)} parameters, the optimizer {sum(len(g['params']) for g in self.param_groups)}"
             )
+        # The torch keywords are this process's choice of implementation, not the checkpoint's: the live
+        # values stay. Off while torch loads, so that a fused=True group does not move the CPU step counts
+        # onto the parameters' device (torch's policy for its own fused kernels).
+        live = [{k: g.get(k, off) for k, off in TORCH_KEYWORDS.items()} for g in self.param_groups]
         state_dict = {
             **state_dict,
             # torch's older state dicts hold the step as a number; the step reads a tensor.
@@ -235,10 +292,12 @@ class GWTOptimizer(Optimizer):
                             for k, v in st.items()} for pid, st in state_dict["state"].items()},
             # A group saved before detail_clip existed ran the paper's update: it keeps doing so rather than
             # taking today's default.
-            "param_groups": [{"detail_clip": None, **saved_group(g)} for g in saved_groups],
+            "param_groups": [{"detail_clip": None, **saved_group(g), **TORCH_KEYWORDS} for g in saved_groups],
         }
         check_saved_state(self, state_dict)
         super().load_state_dict(state_dict)
+        for group, keywords in zip(self.param_groups, live):
+            group.update(keywords)
         self._stepper.drop()
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params):
@@ -302,6 +361,33 @@ class GWTOptimizer(Optimizer):
                         "Further skips are counted in .nonfinite_skips without a warning",
                         RuntimeWarning, stacklevel=caller_stacklevel(),
                     )
+
+
+# Why each keyword cannot be True (one line each, in the ValueError).
+_REFUSED = {
+    "maximize": "GWT optimizers minimize; minimize the negated loss instead",
+    "capturable": "the GWT step reads its step count and the limiter on the host, so it cannot be CUDA-graph captured",
+    "differentiable": "the GWT step runs under torch.no_grad and cannot be differentiated",
+}
+
+
+def _kernel_request(g: dict[str, Any]) -> str | None:
+    """What a group's ``fused``/``foreach`` ask for: "fused" (the fused
+    kernels), "loop" (the eager per-tensor step) or None (``backend=``
+    decides); ``ValueError`` for a value or pair that cannot hold."""
+    fused, foreach = g.get("fused"), g.get("foreach")
+    for key, value in (("fused", fused), ("foreach", foreach)):
+        if value not in (None, False, True):
+            raise ValueError(f"{key} must be None, False or True, got {value!r}")
+    if fused and foreach:
+        raise ValueError("`fused` and `foreach` cannot be `True` together.")  # torch's message
+    if foreach:
+        raise ValueError("foreach=True: GWT optimizers have no foreach (multi-tensor) step; fused=True asks for "
+                         "GWT-AdamW's fused kernels, fused=False for the eager step (torchtitan: implementation="
+                         "'fused' or 'for-loop')")
+    if fused:
+        return "fused"
+    return "loop" if fused is False or foreach is False else None
 
 
 def _is_real(x: Any) -> bool:

@@ -71,13 +71,19 @@ class GWTAdafactor(GWTOptimizer):
         impl: str = "fast",
         backend: str = "auto",
         compile: bool | str | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         if not g["beta2_decay"] <= 0.0:

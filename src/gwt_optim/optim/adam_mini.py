@@ -87,13 +87,19 @@ class GWTAdamMini(GWTOptimizer):
         impl: str = "fast",
         backend: str = "auto",
         compile: bool | str | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             moment_dtype=moment_dtype, block=block, head_dim=head_dim,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)

@@ -84,13 +84,19 @@ class GWTAdamW(GWTOptimizer):
         impl: str = "fast",
         backend: str = "auto",
         compile: bool | str | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             detail_clip=detail_clip, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         check_adam_hyperparameters(g)

@@ -78,6 +78,11 @@ class GWTMuon(GWTOptimizer):
         impl: str = "fast",
         backend: str = "auto",
         compile: bool | str | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -85,7 +90,8 @@ class GWTMuon(GWTOptimizer):
             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
             adjust_lr_fn=adjust_lr_fn, betas=betas, eps=eps, use_muon=use_muon, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile)
+        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)
