@@ -1,0 +1,167 @@
+"""Issue 54's table and figure (docs/results/schedules-cpu.md): GWT-AdamW's validation loss minus AdamW's on the
+same seed, at every evaluation of the 16M-token budget run, under the cosine and under WSD, on each corpus.
+
+    python benchmarks/schedules_plot.py --plot docs/images/schedules-cpu-gap.png [--live /root/gwt-runs/schedules54]
+
+Reads the committed run records (``run_records.py save`` folders) and, with ``--live``, the run folders of a
+queue still running (``metrics.jsonl`` of runs not finished yet count as far as they got: such a column is
+marked as partial). Each contender's run is paired with AdamW's at (2e-3, 0) on the same reporting seed and
+setting. Prints, per setting, the paired gap at every evaluation (the seed mean and the worst seed), then the
+issue's bar: after the warm-up, the seed-mean gap at most +0.02, no seed above +0.05, and the end level or
+better (the 95% t interval not wholly above +0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from transfer_plot import T975, environment  # noqa: E402  (one t table, one environment line)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
+           ROOT / "docs/results/schedules-cpu/records"]
+TOKENS_PER_STEP = 8192
+STEPS = "tokens8192-steps1953"
+SETTINGS = {  # label: the setting's folder under report/ (benchmarks/_protocol.folder_suffix)
+    "pysrc, cosine": STEPS,
+    "pysrc, WSD (1-sqrt, last 20%)": f"{STEPS}-wsd0.2-1-sqrt",
+    "linux-c, cosine": f"{STEPS}-data-linux-c",
+    "linux-c, WSD (1-sqrt, last 20%)": f"{STEPS}-wsd0.2-1-sqrt-data-linux-c",
+}
+ADAMW = "adamw-beta20.999-scale1-regular-lr0.003-lr0.002"
+CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
+    "GWT-AdamW as shipped (α 2, clip 0.5)": "gwt-adamw-level2-scale2-beta20.999-regular-lr0.003-lr0.002",
+    "C1: clip 0.25 at the peak, 0.5 at the floor": "gwt-adamw-level2-scale2-detail-clip0.25-detail-clip-end0.5-"
+                                                   "beta20.999-regular-lr0.003-lr0.002",
+}
+BAR_MEAN, BAR_SEED = 0.02, 0.05
+
+
+def curve(run: Path) -> dict[int, float]:
+    """step -> validation loss of one run, from its record or its live metrics."""
+    if (run / "metrics.jsonl.gz").exists():
+        with gzip.open(run / "metrics.jsonl.gz", "rt") as f:
+            rows = [json.loads(line) for line in f]
+    else:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
+def find(folders: list[Path], setting: str, seed: int, name: str) -> tuple[Path, bool] | None:
+    """The run's folder and whether it finished: a record or a finished live run first, else a live partial."""
+    partial = None
+    for base in folders:
+        for run in (base / "report" / setting / f"seed{seed}" / name,
+                    base / "report" / "runs" / setting / f"seed{seed}" / name):
+            if (run / "summary.json").exists():
+                return run, True
+            if partial is None and (run / "metrics.jsonl").exists():
+                partial = (run, False)
+    return partial
+
+
+def gaps(folders: list[Path], setting: str, name: str) -> tuple[dict[int, dict[int, float]], bool]:
+    """step -> {seed: contender - AdamW} over the seeds with both runs, and whether any run is partial."""
+    out: dict[int, dict[int, float]] = {}
+    partial = False
+    for seed in range(1, 9):
+        mine, base = find(folders, setting, seed, name), find(folders, setting, seed, ADAMW)
+        if mine is None or base is None:
+            continue
+        partial |= not (mine[1] and base[1])
+        c, a = curve(mine[0]), curve(base[0])
+        for step in sorted(set(c) & set(a)):
+            out.setdefault(step, {})[seed] = c[step] - a[step]
+    return out, partial
+
+
+def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
+    """The issue's bar on one contender's gaps: a markdown row's last cells."""
+    if not g:
+        return "| | | | |"
+    last = max(g)
+    after = {s: v for s, v in g.items() if s > 0.1 * 1953}  # after the warm-up
+    means = {s: sum(v.values()) / len(v) for s, v in after.items()}
+    worst_mean = max(means, key=means.get)
+    worst_seed = max(((x, seed, s) for s, v in after.items() for seed, x in v.items()))
+    end = list(g[last].values())
+    n, m = len(end), sum(end) / len(end)
+    ci, ok_end = "", m <= BAR_MEAN
+    if n > 1:
+        sd = (sum((x - m) ** 2 for x in end) / (n - 1)) ** 0.5
+        h = T975.get(n - 1, 2.0) * sd / n ** 0.5
+        ci, ok_end = f" ± {h:.3f}", m - h <= BAR_MEAN
+    ok = means[worst_mean] <= BAR_MEAN and worst_seed[0] <= BAR_SEED and ok_end and not partial
+    return (f"| {means[worst_mean]:+.3f} at {worst_mean * TOKENS_PER_STEP / 1e6:.1f}M | {worst_seed[0]:+.3f} "
+            f"(seed {worst_seed[1]}, {worst_seed[2] * TOKENS_PER_STEP / 1e6:.1f}M) | {m:+.3f}{ci} (n={n}"
+            f"{', partial' if partial else ''}, step {last}) | {'yes' if ok else 'no'} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plot", default="", help="write the figure here (PNG); empty: the tables only")
+    ap.add_argument("--live", action="append", default=[], type=Path, help="a queue's OUT folder, read too")
+    a = ap.parse_args(argv)
+    folders = RECORDS + a.live
+    found = {(s, c): gaps(folders, folder, name) for s, folder in SETTINGS.items() for c, name in CONTENDERS.items()}
+    print(f"# GWT-AdamW minus AdamW along the run, by schedule and corpus\n\n{environment()}\n")
+    print(f"The bar (issue 54): after the warm-up the seed-mean gap at most +{BAR_MEAN}, no seed above "
+          f"+{BAR_SEED}, the end level or better.\n")
+    print("| setting | contender | largest seed-mean gap | largest one-seed gap | at the end, mean ± 95% t | "
+          "meets the bar |")
+    print("|---|---|---:|---:|---:|---|")
+    for (s, c), (g, partial) in found.items():
+        if g:
+            print(f"| {s} | {c} " + verdict(g, partial))
+    for s in SETTINGS:
+        cols = {c: found[(s, c)][0] for c in CONTENDERS if found[(s, c)][0]}
+        if not cols:
+            continue
+        print(f"\n## {s}: the paired gap at every evaluation (seed mean; worst seed)\n")
+        print("| tokens | " + " | ".join(cols) + " |")
+        print("|---:|" + "---:|" * len(cols))
+        for step in sorted(set().union(*cols.values())):
+            cells = []
+            for g in cols.values():
+                v = list(g.get(step, {}).values())
+                cells.append(f"{sum(v) / len(v):+.3f}; {max(v):+.3f} (n={len(v)})" if v else "")
+            print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, schedule in zip(axes, ("cosine", "WSD")):
+            for (s, c), (g, partial) in found.items():
+                if schedule not in s or not g:
+                    continue
+                xs = sorted(g)
+                seeds = max(len(v) for v in g.values())
+                ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], [sum(g[x].values()) / len(g[x]) for x in xs],
+                        marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
+                        label=f"{s.split(',')[0]}: {c.split(':')[0]} ({seeds} seed{'s' if seeds > 1 else ''}"
+                              f"{', partial' if partial else ''})")
+            ax.axhline(0, color="black", linewidth=0.8)
+            for y in (BAR_MEAN, BAR_SEED):
+                ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
+            ax.set_title(f"under the {schedule}")
+            ax.set_xlabel("training tokens (millions)")
+            ax.legend(fontsize=7)
+        axes[0].set_ylabel("validation loss − AdamW's (paired, seed mean)")
+        axes[0].set_ylim(-0.12, 0.15)
+        fig.suptitle("llama_9m, 16M tokens, both at AdamW's (2e-3, 0)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+        print(f"\nwrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
