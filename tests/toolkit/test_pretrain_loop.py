@@ -161,3 +161,40 @@ def test_streamed_c4_pipeline_trains_and_resumes_exactly(tiny_config, corpus, tm
     part.resume = True
     train(part)
     assert _losses(part.out) == _losses(full.out)
+
+
+def test_run_files_follow_the_umask_and_record_what_each_group_runs(tiny_config, tmp_path):
+    """config.json keeps the settings (resume and reuse compare them) and records under ``resolved`` the
+    lr and betas each group runs; metrics.jsonl logs each named group's lr; every file has the umask's mode."""
+    import os
+
+    from gwt_optim.toolkit.pretrain import resolve_config
+    from gwt_optim.toolkit.runner import same_config
+    from gwt_optim.toolkit.train import RESOLVED, TrainConfig, resume_conflicts
+
+    cfg = tiny_config(steps=3, eval_every=0, warmup=0, schedule="constant",
+                      optimizer="gwt-adamw:lr=1e-3:regular_lr=2e-3:beta2=0.95")
+    old = os.umask(0o027)
+    try:
+        train(cfg)
+    finally:
+        os.umask(old)
+    run = Path(cfg.out)
+    for name in ("config.json", "summary.json", "environment.json", "metrics.jsonl"):
+        assert (run / name).stat().st_mode & 0o777 == 0o640, name
+    config = json.loads((run / "config.json").read_text())
+    assert config["lr"] == 3e-3 and config["betas"] == [0.9, 0.999]  # the flags' values, as given
+    groups = {g["name"]: g for g in config[RESOLVED]["groups"]}
+    assert set(groups) == {"transformed", "regular"}
+    assert groups["transformed"]["lr"] == 1e-3 and groups["regular"]["lr"] == 2e-3
+    assert groups["transformed"]["betas"] == [0.9, 0.95] == groups["regular"]["betas"]
+    assert groups["transformed"]["level"] == 2 and groups["regular"]["level"] == 0
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert [r["group_lr"] for r in steps] == [{"transformed": 1e-3, "regular": 2e-3}] * 3
+    assert all(r["lr"] == 2e-3 for r in steps)  # the largest group's
+    # The record is not a setting: the run's config.json still reads, resumes and matches as before.
+    assert TrainConfig.from_dict(config) == cfg
+    assert resume_conflicts(config, cfg.to_dict()) == [] and same_config(config, cfg.to_dict())
+    import argparse
+
+    assert resolve_config(argparse.Namespace(config=str(run / "config.json"))) == cfg

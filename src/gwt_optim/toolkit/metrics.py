@@ -17,8 +17,8 @@ import os
 import platform
 import resource
 import subprocess
+import secrets
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +46,24 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 
 
+def _new_temp_file(path: Path) -> tuple[int, str]:
+    """A new file beside ``path``, open for writing, created as ``open()`` creates one: mode 0666 less the
+    umask (mkstemp's is 0600, which the rename would give the finished file)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename, so a
-    reader (or a crash) never sees a partial file."""
+    reader (or a crash) never sees a partial file. The file's mode follows the umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _new_temp_file(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -4,10 +4,12 @@ One :class:`TrainConfig` describes a run; :func:`train` executes it in the
 current process (or in every ``torchrun`` process) and returns the summary
 it also writes to ``RUN/summary.json``. A run directory holds
 
-``config.json``       the resolved configuration (every default filled in)
+``config.json``       the resolved configuration (every default filled in), and under
+                      ``resolved`` what the optimizer's groups run (:data:`RESOLVED`)
 ``environment.json``  versions, machine, git commit, world size (and, resumed, the earlier processes')
-``metrics.jsonl``     one record per optimizer step (``loss``, ``lr``,
-                      ``tokens_per_s``...) and per evaluation (``val_loss``)
+``metrics.jsonl``     one record per optimizer step (``loss``, ``lr``: the largest
+                      group's, ``group_lr``: each named group's, ``tokens_per_s``...)
+                      and per evaluation (``val_loss``)
 ``summary.json``      the final numbers ``compare`` and ``report`` tabulate
 ``checkpoints/``      see :mod:`gwt_optim.toolkit.checkpoint`
 
@@ -65,6 +67,9 @@ __all__ = [
     "evaluate",
     "PRECISIONS",
     "RESUME_MAY_CHANGE",
+    "RESOLVED",
+    "group_names",
+    "resolved_groups",
     "resume_conflicts",
     "Stopped",
     "LOCK_FILE",
@@ -147,6 +152,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = {k: v for k, v in d.items() if k != RESOLVED}  # a run's record of what it ran, not a setting
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -208,6 +214,11 @@ class TrainConfig:
                 "stepped before the other gradients exist"
             )
         return self
+
+
+# config.json's record of what each optimizer group runs (:func:`resolved_groups`): written by the run
+# beside its settings, never read as one (a setting decides it), so resume and reuse compare the rest.
+RESOLVED = "resolved"
 
 
 # What ``--resume`` may change: how long to train, how often to evaluate and
@@ -392,6 +403,33 @@ def _no_sync(model: nn.Module, last: bool):
 
 def _current_lr(optimizer: torch.optim.Optimizer) -> float:
     return max(float(g["lr"]) for g in optimizer.param_groups)
+
+
+def group_names(optimizer: torch.optim.Optimizer, model: nn.Module, recipe: str) -> list[str]:
+    """A name for each of ``optimizer``'s groups by the weights it holds (:func:`gwt_optim.groups.split_params`):
+    ``transformed`` (attention/MLP matrices), ``regular`` (the rest) or ``mixed``; a repeated name gets the
+    group's index (``regular-2``)."""
+    from gwt_optim.groups import split_params
+
+    transformed = {id(p) for _, p in split_params(model, recipe).transformed}
+    names: list[str] = []
+    for i, g in enumerate(optimizer.param_groups):
+        inside = [id(p) in transformed for p in g["params"]]
+        name = "transformed" if inside and all(inside) else "regular" if not any(inside) else "mixed"
+        names.append(f"{name}-{i}" if name in names else name)
+    return names
+
+
+def resolved_groups(optimizer: torch.optim.Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    """What each group runs, as JSON: its name, parameter and value counts, and every hyperparameter
+    (``lr`` at the schedule's peak)."""
+    out = []
+    for name, g in zip(names, optimizer.param_groups):
+        settings = {k: v for k, v in g.items() if k not in ("params", "initial_lr")}
+        settings["lr"] = g.get("initial_lr", g["lr"])
+        out.append({"name": name, "params": len(g["params"]), "values": sum(p.numel() for p in g["params"]),
+                    **json.loads(json.dumps(settings, default=lambda v: v.item() if torch.is_tensor(v) else str(v)))})
+    return out
 
 
 # Files that make a folder an earlier run's: a new run there would replace them.
@@ -822,6 +860,7 @@ def _build_training(cfg: TrainConfig, dctx, data) -> dict[str, Any]:
     n_params = count_parameters(model)
     model = wrap_model(model, dctx, fsdp=cfg.fsdp)
     optimizer, opt_info = build_optimizer_for(unwrap(model), cfg)
+    opt_info["groups"] = group_names(optimizer, unwrap(model), cfg.recipe)
     if cfg.step_in_backward:
         from gwt_optim.backward import step_in_backward
 
@@ -866,7 +905,8 @@ def _write_run_files(r: _Run) -> None:
 
     cfg, dctx, run = r.cfg, r.dctx, r.folder
     if dctx.is_main:
-        atomic_write_json(run / "config.json", cfg.to_dict())
+        atomic_write_json(run / "config.json", {**cfg.to_dict(), RESOLVED: {
+            "optimizer": r.opt_info["name"], "groups": resolved_groups(r.optimizer, r.opt_info["groups"])}})
         env = environment(packages=("bitsandbytes", "torchao", "galore-torch", "apollo-torch", "adam-mini"))
         env.update(world_size=dctx.world_size, fsdp=cfg.fsdp, device=str(r.device),
                    autocast=str(r.amp) if r.amp else "fp32")
@@ -896,6 +936,7 @@ class _StepResult:
     loss: float  # the mean over the step's micro-batches and ranks
     grad_norm: float | None  # before clipping; None without --grad-clip
     lr: float  # the step's (largest) learning rate
+    group_lr: dict[str, float]  # each named group's
     stop: bool  # some rank was asked to stop
 
 
@@ -935,13 +976,14 @@ def _train_step(r: _Run, batch: torch.Tensor, sigint: "_StopOnSignal", meter, *,
         if cfg.grad_clip:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), cfg.grad_clip))
         lr_now = _current_lr(r.optimizer)
+        group_lr = {name: float(g["lr"]) for name, g in zip(r.opt_info["groups"], r.optimizer.param_groups)}
         if not cfg.step_in_backward:  # else every parameter was stepped in backward
             r.optimizer.step()
         r.scheduler.step()
         if r.clip_anneal is not None:
             r.clip_anneal.apply(r.scheduler.last_epoch)
         r.optimizer.zero_grad(set_to_none=True)
-    return _StepResult(loss_value, grad_norm, lr_now, bool(reduced[1] > 0))
+    return _StepResult(loss_value, grad_norm, lr_now, group_lr, bool(reduced[1] > 0))
 
 
 def _validate(r: _Run, step: int) -> float:
@@ -1056,7 +1098,8 @@ class _Loop:
     def _log_step(self, result: _StepResult) -> None:
         """Write the finished step's record, advance the bar, call ``on_step_end``."""
         step, tokens_per_step, seconds = self.step, self.r.tokens_per_step, self.meter.last_seconds
-        record = {"step": step, "loss": result.loss, "lr": result.lr, "tokens": step * tokens_per_step,
+        record = {"step": step, "loss": result.loss, "lr": result.lr, "group_lr": result.group_lr,
+                  "tokens": step * tokens_per_step,
                   "ms": 1000 * seconds, "tokens_per_s": tokens_per_step / seconds}
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
