@@ -25,6 +25,7 @@ from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_fla
 from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
+from gwt_optim.optim._sharded import check_sharding, is_dtensor
 from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments
 
@@ -225,6 +226,8 @@ class GWTOptimizer(Optimizer):
             )
         if not p.is_floating_point():
             raise ValueError(f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized")
+        if is_dtensor(p):
+            check_sharding(p)  # a layout the transform cannot take: refused here, the same on every rank
         say_if_the_level_is_too_deep(self._family, p, group["level"], where)
 
     def _init_family_state(self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype,
@@ -233,14 +236,21 @@ class GWTOptimizer(Optimizer):
         shaped like ``approx`` (a tensor in the compute dtype)."""
         raise NotImplementedError
 
-    def _moments(self, group: dict, state: dict, W: Tensor, G: Tensor, step: int) -> Moments:
+    def _moments(self, group: dict, state: dict, W: Tensor, G: Tensor, step: int, *,
+                 reduce: Any = None) -> Moments:
         """The first half of the family's eager step: its
         ``functional.gwt_*_moments`` on the group's options (``W`` and the
-        state local, ``G`` in the compute dtype, ``step`` counted from 1)."""
+        state local, ``G`` in the compute dtype, ``step`` counted from 1).
+        ``reduce``: a sharded (DTensor) parameter's
+        :class:`~gwt_optim.optim._sharded.Sharding`, passed only for one;
+        every statistic the family takes over more than a row (a block's
+        mean, a column's, the whole tensor's RMS) goes through it."""
         raise NotImplementedError
 
-    def _apply(self, group: dict, W: Tensor, m: Moments, r: Tensor | float, step: int) -> None:
-        """The second half: its ``functional.gwt_*_apply`` with the limiter's ``r``."""
+    def _apply(self, group: dict, W: Tensor, m: Moments, r: Tensor | float, step: int, *,
+               reduce: Any = None) -> None:
+        """The second half: its ``functional.gwt_*_apply`` with the limiter's
+        ``r`` (``reduce``: as :meth:`_moments`)."""
         raise NotImplementedError
 
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:

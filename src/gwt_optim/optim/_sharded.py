@@ -1,21 +1,45 @@
-"""The step's few collectives and DTensor checks, for FSDP2-sharded parameters.
+"""The one rule for sharded (DTensor) parameters, every family's: the step's
+collectives and DTensor checks.
 
-Parameters sharded along dim 0 (FSDP2's default) transform locally, row by
-row; only two things cross ranks: whether a gradient is finite (every rank
-must skip the same parameters) and the limiter's squared norms (summed, so
-that sharded and single-process training agree). Each is one collective per
-device mesh for all parameters.
+A DTensor parameter on a device mesh of any dimension (FSDP2, HSDP, tensor
+or expert parallelism, or a plain ``distribute_tensor``) is stepped shard by
+shard, each rank on its local rows, under one rule:
+
+* The transform runs along the last axis, so every axis but the last may be
+  sharded (``Shard``, FSDP2's ``_StridedShard``) or replicated
+  (``Replicate``) on any mesh dimension; a matrix or higher sharded on its
+  last axis, or a ``Partial`` placement, is refused (:func:`check_sharding`).
+* The state lives at the global shape with the parameter's placements: each
+  state tensor of the parameter's dimensionality is a DTensor whose axes that
+  follow the parameter's (an axis that doubles when the parameter's does)
+  keep the parameter's placement, and whose reduced axes (a statistic of size
+  1 over a sharded axis, e.g. Adafactor's column statistic) are replicated;
+  scalars and whole-tensor statistics stay plain tensors, equal on every rank
+  (:func:`distribute_state`). Checkpoints (``torch.distributed.checkpoint``)
+  save and reshard the DTensors like the parameters.
+* Every reduction a family needs -- the limiter's norm, the non-finite check,
+  Adam-mini's block means, Adafactor's row and column statistics and RMS --
+  sums (or maxes) over exactly the mesh dimensions that shard the reduced axes
+  (:class:`Sharding`): never over a replicated dimension, whose ranks hold the
+  same rows. Every rank issues the same collectives in the same order: the
+  parameters in the same order, an empty shard included, and the non-finite
+  check agreed before any other (:func:`finite_across_ranks`).
+
+The non-finite check and the limiter's norms are one collective per (mesh,
+mesh dimension) for all parameters; a family's own reductions (Adam-mini's
+whole-tensor blocks, Adafactor's statistics) are one small all-reduce per
+parameter and statistic, in its halves (``reduce=`` of :mod:`.functional`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "check_sharding", "distribute_state", "finite_across_ranks",
-           "reduce_limiter_norms"]
+__all__ = ["is_dtensor", "local", "check_sharding", "Sharding", "distribute_state", "head_shards_problem",
+           "finite_across_ranks", "reduce_limiter_norms"]
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -26,49 +50,168 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def check_sharding(p: Tensor) -> None:
-    """Refuse a DTensor sharded along the axis the transform runs on."""
-    from torch.distributed.tensor import Shard
+def _sharded_axis(placement: Any, ndim: int) -> int | None:
+    """The parameter axis a placement shards (``Shard``, FSDP2's
+    ``_StridedShard``: both have ``dim``), or None (``Replicate``)."""
+    dim = getattr(placement, "dim", None)
+    return None if dim is None else dim % max(ndim, 1)
 
+
+def check_sharding(p: Tensor) -> None:
+    """Refuse a layout the transform cannot take: a DTensor of two or more
+    dimensions sharded along the last axis (the transform's), or a pending
+    reduction (``Partial``), which is not a parameter's layout."""
     for pl in p.placements:
-        if isinstance(pl, Shard) and pl.dim % p.ndim == p.ndim - 1 and p.ndim >= 2:
+        if pl.is_partial():
+            raise ValueError(f"a DTensor parameter placed {tuple(p.placements)} holds partial sums; "
+                             "GWT optimizers step Shard and Replicate placements only")
+        if p.ndim >= 2 and _sharded_axis(pl, p.ndim) == p.ndim - 1:
             raise ValueError(
                 "GWT transforms along the last axis, which this DTensor parameter is sharded "
-                f"on ({p.placements}); shard it along dim 0 (FSDP2's default) instead"
+                f"on ({tuple(p.placements)}); shard it along another axis (FSDP2's dim 0, ColwiseParallel) "
+                "instead, or put it in a group with level=0"
             )
 
 
-def distribute_state(p: Tensor, local_param: Tensor, state: dict) -> None:
-    """Wrap state tensors that follow the parameter's row sharding as DTensors
-    with the parameter's placements, so that distributed checkpointing
-    (``torch.distributed.checkpoint``) saves and reshards them correctly.
-    Scalars and statistics that are not row-aligned stay plain tensors."""
-    from torch.distributed.tensor import DTensor
+class Sharding:
+    """A DTensor parameter's layout as the family's reductions read it:
+    :meth:`sum_` all-reduces a statistic over the mesh dimensions that shard
+    the reduced axes, :meth:`size` counts the reduced entries globally. Passed
+    to the families' halves as ``reduce=`` (None: one process)."""
 
-    rows = local_param.shape[0] if local_param.ndim else None
+    __slots__ = ("mesh", "shape", "axes")
+
+    def __init__(self, p: Tensor) -> None:
+        self.mesh = p.device_mesh
+        self.shape = tuple(p.shape)
+        # Per mesh dimension, the parameter axis it shards (None: replicated).
+        self.axes = tuple(_sharded_axis(pl, p.ndim) for pl in p.placements)
+
+    def mesh_dims(self, axes: Iterable[int] | None = None) -> tuple[int, ...]:
+        """The mesh dimensions of more than one rank that shard one of
+        ``axes`` (the parameter's axes; None: all of them)."""
+        ndim = len(self.shape)
+        wanted = None if axes is None else {a % max(ndim, 1) for a in axes}
+        return tuple(i for i, a in enumerate(self.axes)
+                     if a is not None and (wanted is None or a in wanted) and self.mesh.size(i) > 1)
+
+    def sum_(self, x: Tensor, axes: Iterable[int] | None = None, op: Any = None) -> Tensor:
+        """``x`` (this rank's partial statistic over ``axes``) summed in place
+        over the ranks that hold the other parts of those axes."""
+        import torch.distributed as dist
+
+        for i in self.mesh_dims(axes):
+            dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.mesh.get_group(i))
+        return x
+
+    def size(self, x: Tensor, axes: Iterable[int]) -> int:
+        """The global number of entries of local ``x`` (the parameter's
+        dimensionality, e.g. A_l) along ``axes``: a sharded axis counts the
+        parameter's whole length, another ``x``'s own (the last axis, A_l's)."""
+        sharded = {a for a in self.axes if a is not None}
+        n = 1
+        for a in axes:
+            a %= x.ndim
+            n *= self.shape[a] if a in sharded else x.shape[a]
+        return n
+
+
+def distribute_state(p: Tensor, state: dict, spec: Callable[[tuple[int, ...]], dict[str, tuple]]) -> None:
+    """Wrap the state tensors of DTensor ``p`` as DTensors at the global shape
+    with ``p``'s placements (the rule above), so that distributed
+    checkpointing saves and reshards them correctly. ``spec(shape)`` gives
+    the family's state shapes for a parameter of ``shape`` (meta tensors): at
+    ``p``'s global shape, the global shapes; with a sharded axis doubled, which
+    state axes follow it."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(p.shape)
+    full = spec(shape)
+    axes = [_sharded_axis(pl, p.ndim) for pl in p.placements]
+    follows: dict[str, set[int]] = {}
+    for d in {a for a in axes if a is not None}:
+        grown = spec((*shape[:d], 2 * shape[d], *shape[d + 1:]))
+        for key, s in full.items():
+            if len(s) == p.ndim and len(grown[key]) == p.ndim and grown[key][d] != s[d]:
+                follows.setdefault(key, set()).add(d)
+            elif len(s) != p.ndim and grown[key] != s:
+                # e.g. Adam-mini's row statistics of a 3-D weight, kept flattened over its leading axes
+                raise ValueError(
+                    f"the state {key!r} of shape {s} of a DTensor parameter {shape} placed {tuple(p.placements)} "
+                    f"depends on its sharded axis {d} without following it; its shards cannot hold it"
+                )
     for key, v in list(state.items()):
-        if key == "step" or not isinstance(v, Tensor) or v.ndim != p.ndim or v.shape[0] != rows:
+        if key == "step" or not isinstance(v, Tensor) or v.ndim != p.ndim or key not in full:
             continue
-        shape = (p.shape[0], *v.shape[1:])
-        stride = torch.empty(shape, device="meta").stride()
-        state[key] = DTensor.from_local(v, p.device_mesh, p.placements, shape=shape, stride=stride)
+        placements = tuple(pl if a is not None and a in follows.get(key, ()) else Replicate()
+                           for pl, a in zip(p.placements, axes))
+        global_shape = full[key]
+        expected, _ = compute_local_shape_and_global_offset(global_shape, p.device_mesh, placements)
+        if tuple(expected) != tuple(v.shape):
+            raise ValueError(
+                f"the state {key!r} of a DTensor parameter {shape} placed {tuple(p.placements)} holds "
+                f"{tuple(v.shape)} here, not the {tuple(expected)} of its global {global_shape}: its shards do not "
+                "split the state's blocks evenly; choose another block or layout"
+            )
+        stride = torch.empty(global_shape, device="meta").stride()
+        state[key] = DTensor.from_local(v, p.device_mesh, placements, shape=global_shape, stride=stride)
+
+
+def _chunks(length: int, ranks: int) -> list[int]:
+    """The lengths torch.chunk's split gives each coordinate of a mesh dimension (DTensor's ``Shard``)."""
+    size = -(-length // ranks)
+    return [max(0, min(size, length - c * size)) for c in range(ranks)]
+
+
+def head_shards_problem(p: Tensor, rows_per_block: int) -> str | None:
+    """Why the shards of DTensor ``p`` (two or more dimensions) do not each
+    hold whole blocks of ``rows_per_block`` consecutive rows (its leading axes
+    flattened, as Adam-mini's heads), split as DTensor splits the blocks' own
+    statistic; None if they do. The same answer on every rank."""
+    dims = [(i, pl) for i, pl in enumerate(p.placements)
+            if _sharded_axis(pl, p.ndim) is not None and p.device_mesh.size(i) > 1]
+    if not dims:
+        return None
+    (i, pl), = dims if len(dims) == 1 else ((None, None),)
+    if i is None or _sharded_axis(pl, p.ndim) != 0 or type(pl).__name__ != "Shard":
+        return f"is placed {tuple(p.placements)}: only Shard(0) on one mesh dimension keeps its heads whole"
+    ranks, rows = p.device_mesh.size(i), p.shape[0]
+    per_index = 1
+    for n in p.shape[1:-1]:
+        per_index *= n
+    blocks = rows * per_index // rows_per_block
+    if [c * per_index for c in _chunks(rows, ranks)] != [b * rows_per_block for b in _chunks(blocks, ranks)]:
+        return (f"has its {rows} rows split {_chunks(rows, ranks)} over {ranks} ranks, which cuts heads of "
+                f"{rows_per_block} rows")
+    return None
+
+
+def _by_reduction(items: list[Any], param: Callable[[Any], Tensor]) -> list[tuple[Any, tuple[int, ...], list]]:
+    """``items`` grouped by (device mesh, mesh dimensions that shard the
+    parameter), in first-seen order: the same order on every rank."""
+    groups: dict[tuple, tuple[Any, tuple[int, ...], list]] = {}
+    for item in items:
+        p = param(item)
+        dims = Sharding(p).mesh_dims()
+        key = (id(p.device_mesh), dims)
+        if key not in groups:
+            groups[key] = (p.device_mesh, dims, [])
+        groups[key][2].append(item)
+    return list(groups.values())
 
 
 def finite_across_ranks(params: list[Tensor]) -> dict[int, bool]:
     """Whether each sharded parameter's whole gradient is finite, by id, in one
-    collective per device mesh: every rank must skip the same parameters, or
-    the limiter's all-reduce and the shards would disagree."""
+    collective per (mesh, sharding mesh dimension): every rank must skip the
+    same parameters, or the later collectives and the shards would disagree."""
     import torch.distributed as dist
 
-    by_mesh: dict[int, list[Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(id(p.device_mesh), []).append(p)
     finite: dict[int, bool] = {}
-    for group in by_mesh.values():
+    for mesh, dims, group in _by_reduction(params, lambda p: p):
         bad = torch.stack([(~torch.isfinite(local(p.grad))).any() for p in group]).to(torch.int32)
-        mesh = group[0].device_mesh
-        if mesh.size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        for i in dims:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(i))
         for p, b in zip(group, bad.tolist()):
             finite[id(p)] = not b
     return finite
@@ -76,29 +219,23 @@ def finite_across_ranks(params: list[Tensor]) -> dict[int, bool]:
 
 def reduce_limiter_norms(pending: list[Any]) -> None:
     """Sum the limiter's squared norms (``ParamStep.norm_sq``) of the sharded
-    ParamSteps across ranks, in one collective per device mesh."""
+    ParamSteps over the mesh dimensions that shard them, in one collective per
+    (mesh, mesh dimension)."""
     sharded = [ps for ps in pending if ps.limited and is_dtensor(ps.full_param)]
     if not sharded:
         return
     import torch.distributed as dist
 
-    by_mesh: dict[int, list[Any]] = {}
-    for ps in sharded:
-        by_mesh.setdefault(id(ps.full_param.device_mesh), []).append(ps)
-    for steps in by_mesh.values():
-        mesh = steps[0].full_param.device_mesh
-        if mesh.size() == 1:
+    for mesh, dims, steps in _by_reduction(sharded, lambda ps: ps.full_param):
+        if not dims:
             continue
         values = [ps.norm_sq for ps in steps]
-        if all(isinstance(v, Tensor) for v in values):
-            flat = torch.stack(values)
-            dist.all_reduce(flat, group=mesh.get_group())
-            summed = flat.unbind()
-        else:  # fused CPU kernels return Python floats
-            flat = torch.tensor([float(v) for v in values], dtype=torch.float64)
-            dist.all_reduce(flat, group=mesh.get_group())
-            summed = flat.tolist()
-        for ps, v in zip(steps, summed):
+        tensors = all(isinstance(v, Tensor) for v in values)
+        # fused CPU kernels return Python floats
+        flat = torch.stack(values) if tensors else torch.tensor([float(v) for v in values], dtype=torch.float64)
+        for i in dims:
+            dist.all_reduce(flat, group=mesh.get_group(i))
+        for ps, v in zip(steps, flat.unbind() if tensors else flat.tolist()):
             ps.norm_sq = v
 
 

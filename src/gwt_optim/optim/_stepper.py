@@ -23,8 +23,8 @@ from gwt_optim.optim._backends import Bucket, choose, moment_dtype, route_key
 from gwt_optim.optim._family import group_lr
 from gwt_optim.optim._fused import all_finite
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
-from gwt_optim.optim._sharded import (check_sharding, distribute_state, finite_across_ranks, is_dtensor, local,
-                                      reduce_limiter_norms)
+from gwt_optim.optim._sharded import (Sharding, check_sharding, distribute_state, finite_across_ranks, is_dtensor,
+                                      local, reduce_limiter_norms)
 from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor, compute_dtype, limiter_ratio
 
 __all__ = ["ParamStep", "Plan", "Stepper", "STEP", "make_plan", "plannable", "untraced", "caller_stacklevel"]
@@ -64,6 +64,8 @@ class ParamStep:
     carry: Any = None
     step: int = 0  # the state's step count after this step's increment
     batched: bool = False  # the fused backend runs this whole step later, with others
+    # A DTensor parameter's layout, which the family's halves reduce over (their reduce=); None: not sharded.
+    sharding: Sharding | None = None
 
 
 def plannable(ps: ParamStep) -> bool:
@@ -316,7 +318,7 @@ class Stepper:
         fused phase 1 or the family's first half. A batched step runs later, whole."""
         state, w, sharded = opt.state[p], local(p), is_dtensor(p)
         if sharded:
-            check_sharding(p)
+            check_sharding(p)  # before any collective: every rank refuses the same layout
         transformed = p.ndim >= 2
         limited = opt._limiter_enabled(group, transformed)
         route = choose(opt._kernels, group, w, local(p.grad), sharded, limited)
@@ -337,7 +339,8 @@ class Stepper:
             if limited:
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
             if sharded:
-                distribute_state(p, w, state)
+                distribute_state(p, state, lambda shape: expected_state(
+                    opt, group, approx_shape(shape, level, group["wavelet"]), transformed))
         # Families see (and update in place) the local shards of their state.
         lstate = {k: local(v) for k, v in state.items()} if sharded else state
         if not new:
@@ -357,11 +360,14 @@ class Stepper:
         if finite is False:
             skipped.append(p)
             return None
-        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, backend=fused, step=step, batched=batched)
+        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, backend=fused, step=step, batched=batched,
+                       sharding=Sharding(p) if sharded else None)
         if batched:
             return ps
         if fused is not None:
             norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
+        elif sharded:  # the family's first half, its reductions over the shards (_sharded's rule)
+            ps.carry = opt._moments(group, lstate, w, G, step, reduce=ps.sharding)
         else:  # the family's first half (functional.gwt_*_moments)
             ps.carry = opt._moments(group, lstate, w, G, step)
         if limited:
@@ -376,7 +382,10 @@ def _phase2(opt: Any, ps: ParamStep) -> None:
     r = limiter_ratio(ps.norm_sq, ps.state["limiter_norm"], ps.step, group["norm_growth_limit"]) if ps.limited \
         else 1.0
     if ps.backend is None:
-        opt._apply(group, ps.param, ps.carry, r, ps.step)
+        if ps.sharding is not None:
+            opt._apply(group, ps.param, ps.carry, r, ps.step, reduce=ps.sharding)
+        else:
+            opt._apply(group, ps.param, ps.carry, r, ps.step)
         return
     lr = group_lr(group)
     alpha = group["scale"] if ps.transformed else 1.0

@@ -110,15 +110,15 @@ class GWTAdafactor(GWTOptimizer):
         if group["beta1"] is not None:
             state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
-    def _moments(self, group, state, W, G, step):
+    def _moments(self, group, state, W, G, step, *, reduce=None):
         return F.gwt_adafactor_moments(
             W, G, step=step, row_var=state.get("row_var"), col_var=state.get("col_var"),
             variance=state.get("variance"), exp_avg=state.get("exp_avg"), beta2_decay=group["beta2_decay"],
             eps1=group["eps"][0], d=group["d"], beta1=group["beta1"], detail_norm=group["detail_norm"],
-            level=group["level"], impl=self._impl, wavelet=group["wavelet"],
+            level=group["level"], impl=self._impl, wavelet=group["wavelet"], reduce=reduce,
         )
 
-    def _apply(self, group, W, m, r, step):
+    def _apply(self, group, W, m, r, step, *, reduce=None):
         F.gwt_adafactor_apply(W, m, r, step=step, lr=group_lr(group), eps2=group["eps"][1],
                               relative_step=group["relative_step"], weight_decay=group["weight_decay"],
-                              alpha=group["scale"], detail_clip=group["detail_clip"])
+                              alpha=group["scale"], detail_clip=group["detail_clip"], reduce=reduce)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim import functional as F
 from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
+from gwt_optim.optim._sharded import Sharding, head_shards_problem, is_dtensor
 from gwt_optim.optim.functional import BLOCKS
 
 __all__ = ["GWTAdamMini", "adam_mini_block", "adam_mini_param_groups", "BLOCKS"]
@@ -103,6 +104,13 @@ class GWTAdamMini(GWTOptimizer):
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:
         super()._validate_param(p, group, where)
+        if p.ndim >= 3 and group["block"] in ("head", "neuron") and is_dtensor(p) and Sharding(p).mesh_dims():
+            # vmean holds one value per row of the leading axes flattened: no DTensor layout follows those.
+            raise ValueError(
+                f"{self._family}: a '{group['block']}' block parameter ({where}) has {p.ndim} dimensions and is "
+                f"sharded ({tuple(p.placements)}); its flattened row statistics cannot be sharded with it: use "
+                "block='element' or 'tensor' for it, or 2-D parameters"
+            )
         if group["block"] == "head":
             rows = p.shape[:-1].numel() if p.ndim >= 2 else 1
             if rows % group["head_dim"]:
@@ -110,6 +118,11 @@ class GWTAdamMini(GWTOptimizer):
                     f"a 'head' block parameter ({where}) has {rows} rows, not a "
                     f"multiple of head_dim={group['head_dim']}; check n_heads/dim, or use block='neuron'"
                 )
+            if p.ndim >= 2 and is_dtensor(p):  # a vector's head is all of it, reduced like a tensor block
+                problem = head_shards_problem(p, group["head_dim"])
+                if problem is not None:
+                    raise ValueError(f"{self._family}: a 'head' block parameter ({where}) {problem}; "
+                                     "use block='neuron', or a layout whose shards hold whole heads")
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         check_adam_hyperparameters(g)
@@ -126,13 +139,14 @@ class GWTAdamMini(GWTOptimizer):
         state["exp_avg"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
         state["vmean"] = torch.zeros_like(mean(approx, group["head_dim"]), dtype=moment_dtype)
 
-    def _moments(self, group, state, W, G, step):
+    def _moments(self, group, state, W, G, step, *, reduce=None):
         beta1, beta2 = group["betas"]
         return F.gwt_adam_mini_moments(W, G, state["exp_avg"], state["vmean"], step=step, beta1=beta1, beta2=beta2,
                                        eps=group["eps"], block=group["block"], head_dim=group["head_dim"],
-                                       level=group["level"], impl=self._impl, wavelet=group["wavelet"])
+                                       level=group["level"], impl=self._impl, wavelet=group["wavelet"],
+                                       reduce=reduce)
 
-    def _apply(self, group, W, m, r, step):
+    def _apply(self, group, W, m, r, step, *, reduce=None):
         beta1, beta2 = group["betas"]
         F.gwt_adam_mini_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
                               weight_decay=group["weight_decay"], alpha=group["scale"],

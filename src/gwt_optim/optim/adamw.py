@@ -104,10 +104,11 @@ class GWTAdamW(GWTOptimizer):
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         init_state(group, state, approx, moment_dtype)
 
-    def _moments(self, group, state, W, G, step):
+    # Every statistic is an entry's or a row's (the limiter's norm is the stepper's): nothing to reduce.
+    def _moments(self, group, state, W, G, step, *, reduce=None):
         return moments(group, state, W, G, step, self._impl)
 
-    def _apply(self, group, W, m, r, step):
+    def _apply(self, group, W, m, r, step, *, reduce=None):
         apply(group, W, m, r, step)
 
 

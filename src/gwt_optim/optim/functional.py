@@ -473,13 +473,15 @@ BLOCKS: dict[str, tuple[Callable[[Tensor, int | None], Tensor], Callable[[Tensor
 
 
 def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta1: float, beta2: float, eps: float,
-                      block: str, head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+                      block: str, head_dim: int | None = None, reduce: Any = None) -> tuple[Tensor, Tensor]:
     """Step 2 of GWT-Adam-mini: M on A_l; one v_b per block b, the block's mean of A_l^2;
-    den_b = sqrt(v_b) + eps sqrt(1 - beta2^t), expanded over the block; U = M / den."""
+    den_b = sqrt(v_b) + eps sqrt(1 - beta2^t), expanded over the block; U = M / den.
+    ``reduce``: a sharded parameter's :class:`~gwt_optim.optim._sharded.Sharding` (None: the whole tensor is here)."""
     mean, expand = BLOCKS[block]
     # Low-precision moments are updated in the compute dtype and stored once.
     m = exp_avg.to(A.dtype).lerp_(A, 1 - beta1)
-    vm = vmean.to(A.dtype).mul_(beta2).add_(mean(A * A, head_dim), alpha=1 - beta2)
+    sq_mean = mean(A * A, head_dim) if reduce is None else _shard_block_mean(A, vmean, block, head_dim, reduce)
+    vm = vmean.to(A.dtype).mul_(beta2).add_(sq_mean, alpha=1 - beta2)
     if m is not exp_avg:
         exp_avg.copy_(m)
         vmean.copy_(vm)
@@ -487,12 +489,24 @@ def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta
     return _safe_div(m, den), den
 
 
+def _shard_block_mean(A: Tensor, vmean: Tensor, block: str, head_dim: int | None, reduce: Any) -> Tensor:
+    """A shard's block means of A_l^2. A block within a row, or of whole heads
+    of rows (GWTAdamMini refuses shards that split a head), is the shard's
+    own; a block over the whole tensor (``"tensor"``, a vector's ``"neuron"``
+    or ``"head"``) is its shards' sums over its global size."""
+    if block == "tensor" or A.ndim < 2 and block != "element":  # a vector's neuron or head: all of it
+        axes = tuple(range(A.ndim))
+        total = reduce.sum_((A * A).sum(), axes)
+        return (total / reduce.size(A, axes)).reshape(vmean.shape)
+    return BLOCKS[block][0](A * A, head_dim)
+
+
 def gwt_adam_mini_moments(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, *, step: int, beta1: float,
                           beta2: float, eps: float, block: str, head_dim: int | None = None, level: int,
-                          impl: str = "fast", wavelet: str = wavelets.HAAR) -> Moments:
-    """The first half of :func:`gwt_adam_mini` (steps 1-2)."""
+                          impl: str = "fast", wavelet: str = wavelets.HAAR, reduce: Any = None) -> Moments:
+    """The first half of :func:`gwt_adam_mini` (steps 1-2); ``reduce`` as :func:`adam_mini_moments`."""
     G, A, coeffs, level = start(W, G, level, impl, wavelet)
-    U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim)
+    U, den = adam_mini_moments(A, exp_avg, vmean, step, beta1, beta2, eps, block, head_dim, reduce)
     return Moments(G, A, U, den, coeffs, level)
 
 
@@ -527,22 +541,24 @@ DETAIL_NORMS: dict[str, Callable[[Tensor, float], Tensor]] = {
 def adafactor_moments(A: Tensor, step: int, *, row_var: Tensor | None = None, col_var: Tensor | None = None,
                       variance: Tensor | None = None, exp_avg: Tensor | None = None, beta2_decay: float,
                       eps1: float | None, d: float, beta1: float | None,
-                      detail_norm: str = "clip") -> tuple[Tensor, Tensor]:
+                      detail_norm: str = "clip", reduce: Any = None) -> tuple[Tensor, Tensor]:
     """Step 2 of GWT-Adafactor: the factored R, C (or, for a vector, V) of A_l^2 with
-    1 - beta2_t = t^tau; U = A_l / sqrt(V^), clipped to RMS d; with beta1, M of U replaces U."""
+    1 - beta2_t = t^tau; U = A_l / sqrt(V^), clipped to RMS d; with beta1, M of U replaces U.
+    ``reduce``: a sharded parameter's :class:`~gwt_optim.optim._sharded.Sharding`
+    (None: the whole tensor is here); the column statistics, R's mean and U's RMS
+    then sum over the shards."""
     if eps1 is None:
         eps1 = torch.finfo(A.dtype).eps
     one_minus_beta2_t = step**beta2_decay
     if row_var is not None:
-        # (A * A).mean(-1) without materializing A * A
-        r = row_var.to(A.dtype).lerp_(torch.norm(A, dim=-1, keepdim=True).square_().div_(A.size(-1)),
-                                      one_minus_beta2_t)
-        c = col_var.to(A.dtype).lerp_(torch.norm(A, dim=-2, keepdim=True).square_().div_(A.size(-2)),
-                                      one_minus_beta2_t)
+        r = row_var.to(A.dtype).lerp_(_mean_sq(A, -1, reduce), one_minus_beta2_t)
+        c = col_var.to(A.dtype).lerp_(_mean_sq(A, -2, reduce), one_minus_beta2_t)
         if r is not row_var:  # low-precision statistics: update in the compute dtype, store once
             row_var.copy_(r)
             col_var.copy_(c)
-        var = (r @ c).div_(r.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        r_mean = r.mean(dim=-2, keepdim=True) if reduce is None else \
+            reduce.sum_(r.sum(dim=-2, keepdim=True), (-2,)).div_(reduce.size(r, (-2,)))
+        var = (r @ c).div_(r_mean.clamp_(min=eps1))
     else:
         v = variance.to(A.dtype).lerp_(A * A, one_minus_beta2_t)
         if v is not variance:
@@ -550,7 +566,8 @@ def adafactor_moments(A: Tensor, step: int, *, row_var: Tensor | None = None, co
         var = v.clone()
     rsqrt_v = var.clamp_(min=eps1 * eps1).rsqrt_()
     U = rsqrt_v * A
-    clip = max(1.0, U.norm(2).item() / ((U.numel() ** 0.5) * d))
+    norm, numel = _norm(U, reduce)
+    clip = max(1.0, norm / ((numel ** 0.5) * d))
     if clip != 1.0:
         U.div_(clip)
     if beta1 is not None:
@@ -561,14 +578,35 @@ def adafactor_moments(A: Tensor, step: int, *, row_var: Tensor | None = None, co
     return U, DETAIL_NORMS[detail_norm](rsqrt_v, clip)
 
 
-def adafactor_step_factor(W: Tensor, step: int, lr: float, eps2: float, relative_step: bool) -> float:
-    """c_t of Adafactor's relative step, max(eps2, RMS(W)) min(lr, 1/sqrt t) / lr (W before the update)."""
+def _mean_sq(A: Tensor, dim: int, reduce: Any) -> Tensor:
+    """(A * A).mean(dim, keepdim=True) without materializing A * A; under
+    ``reduce``, the shards' sums over the axis's global length (the last axis
+    is never sharded: that costs no collective)."""
+    s = torch.norm(A, dim=dim, keepdim=True).square_()
+    if reduce is None:
+        return s.div_(A.size(dim))
+    return reduce.sum_(s, (dim,)).div_(reduce.size(A, (dim,)))
+
+
+def _norm(x: Tensor, reduce: Any) -> tuple[float, int]:
+    """||x||_2 and x's number of entries, of the whole tensor across its shards under ``reduce``."""
+    if reduce is None:
+        return x.norm(2).item(), x.numel()
+    axes = tuple(range(x.ndim))
+    return math.sqrt(reduce.sum_(x.square().sum(), axes).item()), reduce.size(x, axes)
+
+
+def adafactor_step_factor(W: Tensor, step: int, lr: float, eps2: float, relative_step: bool,
+                          reduce: Any = None) -> float:
+    """c_t of Adafactor's relative step, max(eps2, RMS(W)) min(lr, 1/sqrt t) / lr (W before the update;
+    ``reduce``: a sharded W's :class:`~gwt_optim.optim._sharded.Sharding`)."""
     if not relative_step:
         return 1.0
     if lr == 0:
         return 0.0
     rho = min(lr, 1 / math.sqrt(step))
-    return max(eps2, W.norm(2).item() / (W.numel() ** 0.5)) * rho / lr
+    norm, numel = _norm(W, reduce)
+    return max(eps2, norm / (numel ** 0.5)) * rho / lr
 
 
 def gwt_adafactor_moments(W: Tensor, G: Tensor, *, step: int, row_var: Tensor | None = None,
@@ -576,19 +614,21 @@ def gwt_adafactor_moments(W: Tensor, G: Tensor, *, step: int, row_var: Tensor | 
                           exp_avg: Tensor | None = None, beta2_decay: float = -0.8,
                           eps1: float | None = None, d: float = 1.0, beta1: float | None = None,
                           detail_norm: str = "clip", level: int, impl: str = "fast",
-                          wavelet: str = wavelets.HAAR) -> Moments:
-    """The first half of :func:`gwt_adafactor` (steps 1-2)."""
+                          wavelet: str = wavelets.HAAR, reduce: Any = None) -> Moments:
+    """The first half of :func:`gwt_adafactor` (steps 1-2); ``reduce`` as :func:`adafactor_moments`."""
     G, A, coeffs, level = start(W, G, level, impl, wavelet)
     U, den = adafactor_moments(A, step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
-                               beta2_decay=beta2_decay, eps1=eps1, d=d, beta1=beta1, detail_norm=detail_norm)
+                               beta2_decay=beta2_decay, eps1=eps1, d=d, beta1=beta1, detail_norm=detail_norm,
+                               reduce=reduce)
     return Moments(G, A, U, den, coeffs, level)
 
 
 def gwt_adafactor_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, eps2: float = 1e-3,
                         relative_step: bool = True, weight_decay: float = 0.0, alpha: float,
-                        detail_clip: float | None = None) -> None:
-    """The second half of :func:`gwt_adafactor`; the relative step reads W before the update."""
-    c_t = adafactor_step_factor(W, step, lr, eps2, relative_step)
+                        detail_clip: float | None = None, reduce: Any = None) -> None:
+    """The second half of :func:`gwt_adafactor`; the relative step reads W before the update
+    (the whole W's RMS under ``reduce``, as :func:`adafactor_moments`)."""
+    c_t = adafactor_step_factor(W, step, lr, eps2, relative_step, reduce)
     finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * c_t, alpha=alpha, detail_clip=detail_clip)
 
 
