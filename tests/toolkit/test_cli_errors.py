@@ -213,8 +213,19 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(saved_run, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "step_00000004 is unreadable" in err and "previous checkpoint" in err
+    assert "the file was modified after saving.)" in err  # torch's whole reason, not cut mid-word
     assert (saved_run / "checkpoints" / "unreadable-step_00000004").is_dir()  # kept, not deleted
     assert json.loads((saved_run / "summary.json").read_text())["steps"] == 5
+
+
+def test_a_long_unreadable_reason_is_cut_at_a_word():
+    from gwt_optim.toolkit.checkpoint import _why_unreadable
+
+    words = " ".join(f"word{i:03d}" for i in range(200))
+    why = _why_unreadable(RuntimeError(words))
+    assert why.startswith("RuntimeError: word000 word001") and why.endswith(" ...")
+    assert why[len("RuntimeError: "):-len(" ...")].split()[-1] in words.split()  # a whole word before the cut
+    assert len(why) < len(words)
 
 
 def test_empty_meta_json_everywhere_is_one_line(saved_run, capsys):

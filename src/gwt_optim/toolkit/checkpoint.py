@@ -329,7 +329,13 @@ def _why_unreadable(exc: BaseException) -> str:
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation of torch.load", 1)[0]
     text = " ".join(text.split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    if len(text) > _REASON_CHARS:  # a page of text: cut at a word, and say so
+        text = text[: text.rfind(" ", 0, _REASON_CHARS + 1)].rstrip(",;:") + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# Long enough for torch's whole message about a truncated file (337 characters in torch 2.x).
+_REASON_CHARS = 400
 
 
 def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
