@@ -457,3 +457,27 @@ def test_a_run_folder_without_a_checkpoint_is_not_sent_to_resume(tmp_path, capsy
     assert main(["pretrain", "--out", str(run), "--no-progress"]) == 2
     line = _error(capsys)
     assert "no checkpoint" in line and "--resume" not in line and "another --out" in line
+
+
+# ----------------------------------------------------------------- a first compare says what it builds
+
+
+def test_first_compare_says_it_builds_its_corpus(tmp_path, monkeypatch, capsys):
+    from gwt_optim.toolkit import compare
+    from gwt_optim.toolkit.data import pending_build, pysrc
+
+    monkeypatch.setenv("GWT_OPTIM_CACHE", str(tmp_path / "cache"))  # nothing built yet
+    started = []
+    monkeypatch.setattr(compare, "_run_plan", lambda plan, *rest: started.append(plan) or 0)
+    argv = ["compare", "--optimizers", "adamw", "--data", "pysrc-small", "--no-progress", "--out", str(tmp_path / "c")]
+    assert main(argv) == 0 and started
+    built = pysrc.corpus_dir(pysrc.SMALL)
+    assert built.is_relative_to(tmp_path)
+    line = f"--data pysrc-small: fetching its {len(pysrc.SMALL)} pinned sdists and building the corpus in {built}"
+    assert line in capsys.readouterr().out
+    # Once built, nothing is said (and a bundled corpus never needs it).
+    built.mkdir(parents=True)
+    (built / "manifest.json").write_text("{}")
+    assert pending_build("pysrc-small") is None and pending_build("demo") is None
+    assert main(argv) == 0
+    assert "fetching" not in capsys.readouterr().out

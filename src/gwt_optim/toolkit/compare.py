@@ -124,6 +124,7 @@ def _move_aside(runs: list[Path], out: Path) -> Path:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from gwt_optim.toolkit.data import pending_build
     from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
     from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, DEMO_SETTING, paper_optimizers
     from gwt_optim.toolkit.registry import validate_optimizer_spec
@@ -155,6 +156,8 @@ def run_compare(args: argparse.Namespace) -> int:
                 with lock_run_dir(run):
                     pass
         _check_existing(plan, out, args)
+        if (note := pending_build(base.data)) is not None:  # the first run does it, its output in its log
+            print(note, flush=True)
         return _run_plan(plan, out, args, base)
 
 

@@ -62,6 +62,7 @@ from gwt_optim.toolkit.data.sources import (
     c4_documents,
     check_source,
     load_texts,
+    pending_build,
 )
 from gwt_optim.toolkit.data.tokenizers import bpe_tokenizer, demo_tokenizer, load_pretrain_tokenizer
 from gwt_optim.toolkit.errors import register_user_error
@@ -73,6 +74,7 @@ register_user_error(DataUnavailable)
 __all__ = [
     "DataUnavailable",
     "check_source",
+    "pending_build",
     "load_texts",
     "demo_tokenizer",
     "bpe_tokenizer",

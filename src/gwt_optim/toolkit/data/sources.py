@@ -165,6 +165,21 @@ def check_source(source: str) -> None:
     _local_files(path)
 
 
+def pending_build(source: str) -> str | None:
+    """What a first run on ``source`` fetches and builds before it trains, in one line (None: nothing,
+    the source is bundled, local, streamed or already built): said before runs whose output is elsewhere."""
+    if source not in ("pysrc", "pysrc-small"):
+        return None
+    from gwt_optim.toolkit.data import pysrc
+
+    pinned = pysrc.SMALL if source == "pysrc-small" else pysrc.PINNED
+    out = pysrc.corpus_dir(pinned)
+    if (out / "manifest.json").is_file():
+        return None
+    return (f"--data {source}: fetching its {len(pinned)} pinned sdists and building the corpus in {out} "
+            "before the first run trains (once; minutes on a slow link; later runs read it)")
+
+
 def _file_split(path: Path, root: Path) -> str | None:
     """The split a file's path names (``data/train.jsonl``, ``valid/a.txt``), if any."""
     rel = path.relative_to(root) if root.is_dir() else Path(path.name)
