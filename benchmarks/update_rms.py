@@ -41,6 +41,8 @@ VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor
     "paper": dict(detail_clip=None),
     "clip 0.5": dict(detail_clip=0.5),
     "clip 0.5, alpha 2^(l/2)": dict(detail_clip=0.5, alpha="rule"),
+    # issue 54's candidate C1 at the lr's peak (its clip rises to 0.5 as the lr decays): the details' tails halved
+    "clip 0.25, alpha 2^(l/2)": dict(detail_clip=0.25, alpha="rule"),
 }
 
 
@@ -64,6 +66,10 @@ class Shadow:
         self.W.zero_()
         F.gwt_adamw(self.W, G.to(self.W.dtype), self.M, self.V, self.s, step=self.t, **self.kw)
         return self.W.square().mean().sqrt().item()
+
+    def along(self, S) -> float:
+        """The last step's component along the direction ``S`` (descent positive), per entry."""
+        return (-(self.W * S).sum() / S.norm()).item() / self.W.numel() ** 0.5
 
 
 def synthetic(levels=(1, 2, 3, 4), steps=200, seed=0) -> str:
@@ -95,6 +101,32 @@ def synthetic(levels=(1, 2, 3, 4), steps=200, seed=0) -> str:
             cells = [f"{mean_rms(lv, kw) / adamw:.2f}" for lv in levels]
             lines.append(f"| {name if i == 0 else ''} | {f'{adamw:.3f}' if i == 0 else ''} | {variant} | "
                          + " | ".join(cells) + " |")
+    # Size is not the signal (match_rms matched it and lost): under noise, how much of each step goes along the
+    # signal G0, against AdamW's, and how much goes elsewhere.
+    lines += ["", "Signal 0.3 under unit noise: the step's component along the signal, then its RMS across it, "
+              "each over AdamW's (mean of the last 20 steps):", "",
+              "| variant | " + " | ".join(f"l={lv} along / across" for lv in levels) + " |",
+              "|---|" + "---:|" * len(levels)]
+    grads = [0.3 * G0 + randn(m, n) for _ in range(steps)]
+
+    def split(level, variant):
+        sh = Shadow((m, n), level, variant, None, dtype=torch.float64)
+        along, across = [], []
+        for t, G in enumerate(grads):
+            rms = sh.step(G)
+            if t >= steps - 20:
+                a = sh.along(G0)
+                along.append(a)
+                across.append(max(rms ** 2 - a ** 2, 0.0) ** 0.5)
+        return sum(along) / 20, sum(across) / 20
+
+    base_along, base_across = split(0, {})
+    for variant, kw in VARIANTS.items():
+        cells = []
+        for lv in levels:
+            a, x = split(lv, kw)
+            cells.append(f"{a / base_along:.2f} / {x / base_across:.2f}")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
