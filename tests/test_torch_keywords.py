@@ -114,6 +114,13 @@ def test_foreach_true_and_bad_values_are_refused(cls):
         cls(params, fused="yes")
 
 
+def test_a_bare_tensor_is_still_torchs_to_refuse():
+    # Reading the groups' requests must not iterate it (a 0-d tensor cannot be).
+    for params in (torch.zeros(()), torch.zeros(3, 4)):
+        with pytest.raises(TypeError, match="params argument given to the optimizer should be an iterable"):
+            GWTAdamW(params, fused=False)
+
+
 @pytest.mark.parametrize("cls", EAGER_FAMILIES, ids=lambda c: c.__name__)
 def test_fused_true_is_refused_where_there_are_no_kernels(cls):
     with pytest.raises(ValueError, match=f"^{cls.__name__}: fused=True cannot hold: {cls.__name__} has no fused "

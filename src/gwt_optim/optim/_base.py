@@ -79,7 +79,9 @@ class GWTOptimizer(Optimizer):
         params = params if isinstance(params, Tensor) else list(params)  # a generator can be read once
         # A request for the eager loop must be taken before the kernels are built (a request for the
         # kernels is taken as each group is checked); the first group that asks decides (the rest must agree).
-        asked = [_kernel_request({**base, **g}) for g in params if isinstance(g, dict)] or [_kernel_request(base)]
+        # (a bare Tensor is torch's to refuse, with its own message)
+        groups = [] if isinstance(params, Tensor) else [g for g in params if isinstance(g, dict)]
+        asked = [_kernel_request({**base, **g}) for g in groups] or [_kernel_request(base)]
         if next((r for r in asked if r is not None), None) == "loop" and self._backend == "auto" and not self._strict:
             self._backend = "eager"
         self._init_bookkeeping()
