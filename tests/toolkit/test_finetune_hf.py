@@ -211,3 +211,17 @@ def test_accelerate_loop_and_state_round_trip(tmp_path):
     after = optimizer.state_dict()["state"][0]
     for k, v in before.items():
         torch.testing.assert_close(after[k], v)
+
+
+def test_importing_the_integration_quiets_what_transformers_prints():
+    """A Trainer user imports the integration, then transformers: torchao's ``Failed to load`` lines and
+    torch's pytree deprecations stay silent, as under the toolkit (one mechanism, gwt_optim._quiet)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = "from gwt_optim.integrations import create_gwt_optimizer\nfrom transformers import Trainer\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert "Failed to load" not in said and "register_constant" not in said, said[-2000:]

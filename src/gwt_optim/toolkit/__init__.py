@@ -3,37 +3,17 @@ its peers, and compare quality, memory and speed side by side.
 
 Needs the ``train`` extra (from a checkout: ``pip install -e '.[train,peers,demo]'``).
 
-Third-party noise is silenced here, once for the whole toolkit: importing any
-toolkit module runs this first, so before any of them imports transformers.
-
-``transformers`` imports ``torchao`` for its quantizers, which logs
-``Failed to load .../torchao/_C_*.so`` for CUDA kernels a CPU machine (or
-another CUDA) cannot load, and trips torch's pytree deprecation warnings
-(``... is an Enum subclass ... register_constant() ... is deprecated``).
-``bitsandbytes`` (imported by ``peft`` and 8-bit Adam) tries to fetch its CPU
-4-bit kernel through the ``kernels`` package, which logs that it could not
-verify the ``kernels-community`` repository's publisher, or, offline, that it
-skipped the check; the toolkit never uses that kernel. Those loggers show
-errors only, and the pytree warning is filtered; nothing else is touched.
+Third-party noise (torchao's ``Failed to load`` lines, torch's pytree
+deprecation warnings, the ``kernels`` package's publisher check) is silenced
+here, once for the whole toolkit, by :func:`gwt_optim._quiet.quiet_third_party`:
+importing any toolkit module runs this first, so before any of them imports
+transformers. The Trainer integration (``gwt_optim.integrations``) does the same.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
+from gwt_optim._quiet import QUIETED_LOGGERS, quiet_third_party
 
 __all__ = ["QUIETED_LOGGERS", "quiet_third_party"]
-
-QUIETED_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
-
-
-def quiet_third_party() -> None:
-    """Show only errors from :data:`QUIETED_LOGGERS`; ignore the pytree Enum deprecation
-    warning. Idempotent; call it before importing transformers, peft or bitsandbytes."""
-    for name in QUIETED_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for category in (FutureWarning, UserWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", message=r".*is an Enum subclass.*register_constant", category=category)
-
 
 quiet_third_party()
