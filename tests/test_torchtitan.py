@@ -20,6 +20,7 @@ import copy
 import inspect
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +149,60 @@ def test_torchtitans_own_names_still_build():
     ])
     container = config.build(model_parts=[make_model()])
     assert sorted(type(o).__name__ for o in container.optimizers) == ["AdamW", "GWTAdamW"]
+
+
+class LlamaLike(torch.nn.Module):
+    """Llama 3's parameter names in torchtitan 0.3.0, at toy sizes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        lin = torch.nn.Linear
+        self.tok_embeddings = torch.nn.Embedding(32, 16)
+        layer = torch.nn.Module()
+        layer.attention = torch.nn.Module()
+        layer.attention.qkv_linear = torch.nn.Module()
+        for name in ("wq", "wk", "wv"):
+            setattr(layer.attention.qkv_linear, name, lin(16, 16, bias=False))
+        layer.attention.wo = lin(16, 16, bias=False)
+        layer.feed_forward = torch.nn.Module()
+        layer.feed_forward.w1, layer.feed_forward.w3 = lin(16, 24, bias=False), lin(16, 24, bias=False)
+        layer.feed_forward.w2 = lin(24, 16, bias=False)
+        layer.attention_norm, layer.ffn_norm = torch.nn.RMSNorm(16), torch.nn.RMSNorm(16)
+        self.layers = torch.nn.ModuleDict({"0": layer})
+        self.norm, self.output = torch.nn.RMSNorm(16), lin(16, 32, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        layer = self.layers["0"]
+        a = layer.attention_norm(h)
+        q = layer.attention.qkv_linear
+        h = h + layer.attention.wo(torch.tanh(q.wq(a) + q.wk(a) * q.wv(a)))
+        f = layer.ffn_norm(h)
+        h = h + layer.feed_forward.w2(torch.nn.functional.silu(layer.feed_forward.w1(f)) * layer.feed_forward.w3(f))
+        return self.output(self.norm(h))
+
+
+def test_the_documented_recipe_builds_and_trains():
+    """docs/scaling-out.md's config, run as written, on Llama 3's parameter names."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "scaling-out.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "GWTOptimizersContainer.Config(" in b]
+    scope: dict = {}
+    exec(code, scope)
+    model = LlamaLike()
+    container = scope["optimizer"].build(model_parts=[model])
+    (opt,) = container.optimizers
+    transformed, plain = opt.param_groups
+    assert sorted(transformed["param_names"]) == sorted(
+        [f"layers.0.attention.qkv_linear.{n}.weight" for n in ("wq", "wk", "wv")]
+        + ["layers.0.attention.wo.weight"] + [f"layers.0.feed_forward.w{i}.weight" for i in (1, 2, 3)])
+    assert (transformed["level"], transformed["scale"], plain["level"]) == (2, 2.0, 0)
+    assert "tok_embeddings.weight" in plain["param_names"] and "output.weight" in plain["param_names"]
+    before = params_of(model)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    container.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, params_of(model)))
 
 
 # -------------------------------------------- the zero-gradient init step --- #
