@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/setup.sh installs 0.3.0)")
+pytest.importorskip("torchtitan.components.optimizer",
+                    reason="torchtitan (with tyro, spmd_types) is not installed; scripts/setup.sh installs 0.3.0")
 
 from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
 
