@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -213,6 +215,37 @@ def _end_worker(worker: Any, wait: float = 10.0) -> None:
             continue
 
 
+def hide_library_progress_bars() -> None:
+    """No progress bar from the libraries a run calls: transformers' weight loading, datasets' downloads and
+    maps, the Hub's downloads. By their environment variables, read at import here and in every spawned
+    ``--isolate`` worker, and by their switches where they are imported already."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers reads the Hub's at import
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+
+
+class _NoProgress(argparse.Action):
+    """``--no-progress``: True, and the libraries' bars hidden as the flag is read, before anything loads."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ARG002
+        setattr(namespace, self.dest, True)
+        hide_library_progress_bars()
+
+
 def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, out: str, out_help: str) -> None:
     """The flags every ``finetune`` task shares: ``--seed``, ``--device``,
     ``--isolate``, ``--out`` and ``--no-progress``. ``defaults`` is the task's
@@ -226,7 +259,7 @@ def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, o
         help=f"run each {runs} in its own process so peak RSS is per run (auto: on CPU)",
     )
     p.add_argument("--out", default=out, help=out_help)
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--no-progress", action=_NoProgress, help="hide progress bars (weight loading's and datasets' too)")
     p.add_argument("--resume", action="store_true", help=f"skip the {runs} runs already in OUT/results.json")
 
 
@@ -265,6 +298,15 @@ def report_kept_on_stop(command: str, out_dir: Path, finished: Callable[[], int]
             print(f"[finetune {command}] stopped: {out_dir} keeps the {n} finished run(s); "
                   "--resume goes on from them", flush=True)
         raise
+
+
+def settings_from_args(cls, args: argparse.Namespace, **given: Any):
+    """A task's settings dataclass from its parsed flags: each field from the flag of its name (``--seq-len``
+    for ``seq_len``), and ``given`` for the fields whose flags read differently (a list, a choice,
+    ``--no-progress``), so that no field is copied by hand."""
+    flags = vars(args)
+    return cls(**{f.name: flags[f.name] for f in dataclasses.fields(cls) if f.name in flags and f.name not in given},
+               **given)
 
 
 def isolate_choice(value: str) -> bool | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 
-from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice
+from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice, settings_from_args
 from gwt_optim.toolkit.finetune.glue_data import load_glue
 from gwt_optim.toolkit.finetune.glue_metrics import (
     METRICS,
@@ -48,7 +48,8 @@ from gwt_optim.toolkit.finetune.glue_metrics import (
 from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task, task_cell
 from gwt_optim.toolkit.schedules import HF_SCHEDULES, add_finetune_arguments
-from gwt_optim.toolkit.finetune.glue_train import GlueSettings, run_glue
+from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
+from gwt_optim.toolkit.finetune.glue_train import run_glue
 
 __all__ = [
     "GlueTask",
@@ -108,27 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     tasks = list(GLUE_TASKS) if args.tasks == "all" else [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
-    settings = GlueSettings(
-        model=args.model,
-        data_dir=args.data_dir,
-        lr=args.lr,
-        scale=args.scale,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        warmup=args.warmup,
-        schedule=args.schedule,
-        decay=args.decay,
-        decay_shape=args.decay_shape,
-        weight_decay=args.weight_decay,
-        max_train_samples=args.max_train_samples,
-        max_eval_samples=args.max_eval_samples,
-        seed=args.seed,
-        device=args.device,
-        isolate=isolate_choice(args.isolate),
-        progress=not args.no_progress,
-    )
+    settings = settings_from_args(GlueSettings, args, isolate=isolate_choice(args.isolate),
+                                  progress=not args.no_progress)
     _, report = run_glue(tasks, args.methods.split(","), settings, args.out, resume=args.resume)
     print(report)
     return 0

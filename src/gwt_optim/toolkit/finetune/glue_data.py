@@ -11,7 +11,7 @@ from gwt_optim.toolkit.finetune.common import from_hub
 from gwt_optim.toolkit.finetune.glue_tasks import GlueTask
 
 if TYPE_CHECKING:
-    from gwt_optim.toolkit.finetune.glue_train import GlueSettings
+    from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
 
 __all__ = ["load_glue"]
 

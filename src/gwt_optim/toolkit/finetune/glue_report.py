@@ -9,7 +9,7 @@ from gwt_optim.toolkit.finetune.common import alpha_phrase, markdown_table, mib
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, task_cell
 
 if TYPE_CHECKING:
-    from gwt_optim.toolkit.finetune.glue_train import GlueSettings
+    from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
 
 __all__ = ["glue_report"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -17,7 +16,6 @@ from gwt_optim.toolkit.finetune.common import (
     PeakMemory,
     atomic_write_json,
     atomic_write_text,
-    check_settings,
     optimizer_state_bytes,
     parse_methods,
     pick_device,
@@ -29,43 +27,12 @@ from gwt_optim.toolkit.finetune.common import (
 )
 from gwt_optim.toolkit.finetune.glue_data import _limit, _load_glue_tokenizer, _load_model, _tokenize, load_glue
 from gwt_optim.toolkit.finetune.glue_report import glue_report
+from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task
-from gwt_optim.toolkit.schedules import HF_SCHEDULES, check_schedule, hf_scheduler_args
+from gwt_optim.toolkit.schedules import hf_scheduler_args
 from gwt_optim.toolkit.train import lock_run_dir
 
 __all__ = ["GlueSettings", "run_glue"]
-
-
-@dataclass
-class GlueSettings:
-    model: str = "roberta-base"
-    data_dir: str | None = None
-    lr: float = 1e-5
-    scale: float | None = None  # None: each method at the recipe's alpha (registry.recipe_scale)
-    batch_size: int = 16
-    max_length: int = 512
-    epochs: float = 3.0
-    max_steps: int = -1
-    warmup: float = 0.06
-    schedule: str = "linear"  # linear, cosine, wsd or constant: Hugging Face's (toolkit.schedules.hf_scheduler_args)
-    decay: float = 0.2  # wsd: the decay's length, read as warmup is
-    decay_shape: str = "1-sqrt"
-    weight_decay: float = 0.0
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    seed: int = 42
-    device: str = "auto"
-    # None: one process per run on CPU (so peak RSS is per run), in-process on CUDA.
-    isolate: bool | None = None
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        # max_steps -1: --epochs decides (transformers' convention)
-        check_settings(self, counts=("batch_size", "max_length", "max_train_samples", "max_eval_samples"),
-                       positive=("lr", "scale", "epochs"), non_negative=("warmup", "decay", "weight_decay"))
-        check_schedule(self.schedule, self.decay_shape, tuple(HF_SCHEDULES))
-        if self.max_steps != -1:
-            check_settings(self, counts=("max_steps",))
 
 
 def _run_one(task: GlueTask, spec: MethodSpec, tokenizer, data, settings: GlueSettings, work_dir: Path) -> dict:

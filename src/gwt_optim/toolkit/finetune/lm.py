@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 
 from gwt_optim.toolkit.data import pack_texts
-from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice
+from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice, settings_from_args
 from gwt_optim.toolkit.finetune.lm_data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
@@ -61,7 +61,8 @@ from gwt_optim.toolkit.finetune.lm_model import (
     resolve_model,
 )
 from gwt_optim.toolkit.finetune.lm_report import best_runs, lm_report
-from gwt_optim.toolkit.finetune.lm_train import LMSettings, perplexity, run_lm, train_one
+from gwt_optim.toolkit.finetune.lm_settings import LMSettings
+from gwt_optim.toolkit.finetune.lm_train import perplexity, run_lm, train_one
 from gwt_optim.toolkit.schedules import SCHEDULES, add_finetune_arguments
 
 __all__ = [
@@ -136,29 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = LMSettings(
-        model=args.model,
-        data=args.data,
-        format=args.format,
-        val_data=args.val_data,
-        val_fraction=args.val_fraction,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        eval_batches=args.eval_batches,
-        lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()),
-        scale=args.scale,
-        warmup=args.warmup,
-        schedule=args.schedule,
-        decay=args.decay,
-        decay_shape=args.decay_shape,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm or None,
-        seed=args.seed,
-        device=args.device,
-        tf32=args.tf32,
-        isolate=isolate_choice(args.isolate),
-        progress=not args.no_progress,
+    settings = settings_from_args(
+        LMSettings, args, lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()),
+        max_grad_norm=args.max_grad_norm or None, isolate=isolate_choice(args.isolate), progress=not args.no_progress,
     )
     _, report = run_lm(args.methods.split(","), settings, args.out, resume=args.resume, cache_dir=args.cache_dir)
     print(report)

@@ -16,7 +16,7 @@ from gwt_optim.toolkit.data import pack_texts
 from gwt_optim.toolkit.train import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from gwt_optim.toolkit.finetune.lm_train import LMSettings
+    from gwt_optim.toolkit.finetune.lm_settings import LMSettings
 
 __all__ = [
     "IGNORE_INDEX",
