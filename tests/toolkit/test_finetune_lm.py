@@ -131,9 +131,11 @@ def test_finetune_lm_end_to_end(tiny_llama, tmp_path):
         lm.run_lm(methods, lm.LMSettings(**{**settings.__dict__, "steps": 4}), tmp_path, resume=True)
 
 
-def test_finetune_lm_alpaca_via_cli(tiny_llama, tmp_path, capsys):
+def test_finetune_lm_alpaca_via_cli(tiny_llama, tmp_path, capsys, monkeypatch):
     from gwt_optim.cli import main
 
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):  # --no-progress sets them
+        monkeypatch.delenv(name, raising=False)
     rc = main([
         "finetune", "lm", "--model", str(tiny_llama), "--data", str(DATA / "alpaca_tiny.json"),
         "--methods", "gwt-adamw:level=1", "--lrs", "1e-3", "--steps", "2", "--batch-size", "2",
@@ -144,7 +146,16 @@ def test_finetune_lm_alpaca_via_cli(tiny_llama, tmp_path, capsys):
     assert saved["data"]["format"] == "alpaca"
     # 2 of the 8 records are held out; only their response tokens are targets.
     assert 0 < saved["data"]["val_targets"] < 40
-    assert "gwt-adamw:level=1" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "gwt-adamw:level=1" in said.out
+    # --no-progress: no bar at all, the libraries' (weight loading, the dataset's preparation) included
+    assert "%|" not in said.err and "it/s]" not in said.err, said.err[-2000:]
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    assert not transformers_logging.is_progress_bar_enabled() and not datasets.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()  # the flag's effect ends with this test
+    datasets.enable_progress_bars()
 
 
 def test_a_seq_len_that_cuts_off_every_response_is_one_line(tiny_llama, tmp_path, capsys):
