@@ -107,7 +107,8 @@ def direct(cls, model, config, **kwargs):
 # ------------------------------------------------------ the container --- #
 
 
-@pytest.mark.parametrize("implementation,backend", [("fused", "auto"), ("for-loop", "eager")])
+@pytest.mark.parametrize("implementation,backend",
+                         [("fused", "auto"), ("fused_opt_states_bf16", "auto"), ("for-loop", "eager")])
 def test_gwt_adamw_in_the_container_steps_as_built_directly(implementation, backend):
     config = gwt_config(implementation=implementation)
     model = make_model()
@@ -115,7 +116,8 @@ def test_gwt_adamw_in_the_container_steps_as_built_directly(implementation, back
     (opt,) = container.optimizers
     assert type(opt) is GWTAdamW and opt._backend == backend
     # torchtitan's keys ride in every group, and GWT holds them to its rule.
-    assert all("param_names" in g and g["fused"] == (implementation == "fused") for g in opt.param_groups)
+    assert all("param_names" in g and g["fused"] == (backend == "auto") for g in opt.param_groups)
+    assert opt._strict == (backend == "auto")
     assert opt.param_groups[0]["param_names"] == ["0.wq.weight", "0.wo.weight", "0.w1.weight"]
     train(model, container.step, 3)
 
@@ -124,6 +126,8 @@ def test_gwt_adamw_in_the_container_steps_as_built_directly(implementation, back
     train(oracle_model, oracle.step, 3)
     for a, b in zip(params_of(model), params_of(oracle_model)):
         assert torch.equal(a, b)
+    # torchtitan's bf16-state hook is for its own Adam/AdamW: GWT's moments stay in the compute dtype.
+    assert all(st["exp_avg"].dtype == torch.float64 for st in opt.state.values())
 
 
 @pytest.mark.parametrize("cls", EAGER_FAMILIES, ids=lambda c: c.__name__)
