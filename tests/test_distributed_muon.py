@@ -6,7 +6,9 @@ in one launch of four processes:
 
 * DTensor parameters given the gradients of a single-process run: bitwise
   equal to it, at bf16 Newton-Schulz, on a 1-D mesh of 4 (uneven shards, one
-  rank's shard of a matrix empty) and on a 2x2 (replicate, shard) HSDP mesh;
+  rank's shard of a matrix empty), on 1-D meshes of 2 and on a 2x2 (replicate,
+  shard) HSDP mesh; Newton-Schulz runs once per matrix, whole, on its owner,
+  and the bytes sent between ranks are the rows off each owner, there and back;
 * FSDP2 training (``fully_shard``, 1-D mesh of 4) and HSDP training (2x2),
   float64 with float64 Newton-Schulz, to ~1e-12 of one process, with a NaN
   in a row that some ranks hold (every rank skips that weight);
@@ -145,18 +147,25 @@ def _given_gradients(mesh):
     params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placements)) for w in full]
     opt = GWTMuon([{"params": params}], lr=0.02, weight_decay=0.1, level=2, ns_dtype="bfloat16",
                   adjust_lr_fn="match_rms_adamw")
-    calls = []  # the shapes Newton-Schulz ran on, here
-    orthogonalize = muon.zeropower_via_newtonschulz
+    calls, sent = [], []  # the shapes Newton-Schulz ran on here; the bytes this rank sent to other ranks
+    orthogonalize, all_to_all = muon.zeropower_via_newtonschulz, dist.all_to_all_single
+
+    def counted(output, input, output_sizes, input_sizes, group=None):
+        me = dist.get_rank(group)
+        sent.append(sum(n for r, n in enumerate(input_sizes) if r != me) * input.element_size())
+        return all_to_all(output, input, output_sizes, input_sizes, group=group)
+
     muon.zeropower_via_newtonschulz = lambda X, *a: calls.append(tuple(X.shape)) or orthogonalize(X, *a)
+    dist.all_to_all_single = counted
     try:
         for step in grads:
             for p, grad in zip(params, step):
                 p.grad = distribute_tensor(grad, mesh, placements)
             opt.step()
     finally:
-        muon.zeropower_via_newtonschulz = orthogonalize
+        muon.zeropower_via_newtonschulz, dist.all_to_all_single = orthogonalize, all_to_all
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, calls)
+    dist.all_gather_object(everyone, (calls, sum(sent)))
     buf = opt.state[params[0]]["momentum_buffer"]
     layout = (type(buf).__name__, tuple(buf.shape), tuple(buf.placements) == tuple(params[0].placements))
     return {"params": [p.full_tensor() for p in params], "full": full, "grads": grads, "layout": layout,
@@ -243,9 +252,14 @@ def test_sharded_gwt_muon_equals_one_process(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(got["params"], expected, strict=True)), name
         assert got["layout"] == ("DTensor", (5, 3), True), name  # the momentum: a quarter, sharded like the weight
         # Newton-Schulz ran once per matrix and step in each replica group, on the whole matrix, spread over ranks.
-        calls = [shape for rank in got["calls"] for shape in rank]
+        calls = [shape for rank, _ in got["calls"] for shape in rank]
         assert sorted(calls) == sorted(SHAPES * len(got["grads"]) * got["replicas"]), name
-        assert sum(bool(rank) for rank in got["calls"]) > got["replicas"], name
+        assert sum(bool(rank) for rank, _ in got["calls"]) > got["replicas"], name
+        # What crossed between ranks: each matrix's rows off its owner, there and back, in bf16 (2 bytes).
+        ranks = WORLD // got["replicas"]
+        owners = _owners(SHAPES, ranks)
+        per_step = sum(2 * (m - row_chunks(m, ranks)[o]) * n * 2 for (m, n), o in zip(SHAPES, owners))
+        assert sum(b for _, b in got["calls"]) == per_step * len(got["grads"]) * got["replicas"], name
 
     # Training: FSDP2 and HSDP gradients are reduced in another order, so ~1e-12 rather than bits.
     expected = single_process_run()
