@@ -199,6 +199,15 @@ def test_group_keys_ask_as_torchtitan_passes_them(monkeypatch):
         GWTAdamW([{"params": _weights()[:1], "fused": True}, {"params": _weights()[1:], "fused": False}])
 
 
+def test_the_call_of_torchtitans_builder_builds():
+    """The call that raised ``TypeError: ... unexpected keyword argument 'fused'`` (issue 53): keyword
+    arguments as torchtitan's optimizer builder passes them to ``torch.optim.AdamW``."""
+    for fused, foreach, backend in ((True, False, "auto"), (False, False, "eager"), (False, None, "eager")):
+        opt = GWTAdamW([{"params": _weights()}], lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                       fused=fused, foreach=foreach)
+        assert (opt._backend, opt._strict, opt.defaults["fused"]) == (backend, fused, fused)
+
+
 def test_a_group_added_later_must_agree():
     opt = GWTAdamW(_weights()[:1], fused=False)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, 4))]})  # None asks for nothing
