@@ -1,4 +1,5 @@
-"""Integrations with training frameworks (Hugging Face ``transformers`` and ``accelerate``).
+"""Integrations with training frameworks (Hugging Face ``transformers`` and ``accelerate``;
+torchtitan in :mod:`gwt_optim.integrations.torchtitan`, which this package does not import).
 
 Importing this package needs only torch; each helper imports its framework
 when it is called. It quiets the third-party noise a ``transformers`` import
