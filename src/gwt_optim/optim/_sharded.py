@@ -272,10 +272,17 @@ def row_mesh_dim(p: Tensor) -> int | None:
     return dims[0] if dims else None
 
 
-def row_chunks(rows: int, ranks: int) -> list[int]:
-    """The rows each coordinate of a ``Shard(0)`` mesh dimension holds (torch.chunk's split, FSDP2's and DTensor's)."""
+def row_starts(rows: int, ranks: int) -> list[int]:
+    """Where each coordinate's rows start along a ``Shard(0)`` mesh dimension,
+    and the end: torch.chunk's split (FSDP2's and DTensor's), empty chunks last."""
     size = -(-rows // ranks)
-    return [max(0, min(size, rows - c * size)) for c in range(ranks)]
+    return [min(rows, c * size) for c in range(ranks + 1)]
+
+
+def row_chunks(rows: int, ranks: int) -> list[int]:
+    """The rows each coordinate holds (:func:`row_starts`)."""
+    starts = row_starts(rows, ranks)
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 def _owners(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
@@ -324,7 +331,8 @@ def _exchange(items: list[tuple[Tensor, Tensor]], dim: int, fn: Callable[[int, T
         line.append(dist.get_group_rank(group, int(mesh.mesh[tuple(coordinate)])))
     by_group_rank = sorted(range(ranks), key=line.__getitem__)  # coordinates in group-rank order
     shapes = [tuple(p.shape) for p, _ in items]
-    chunks = [row_chunks(m, ranks) for m, _ in shapes]
+    starts = [row_starts(m, ranks) for m, _ in shapes]
+    chunks = [[b - a for a, b in zip(st, st[1:])] for st in starts]
     owner = _owners(shapes, ranks)
     for (p, X), ch in zip(items, chunks):
         if X.shape != (ch[me], p.shape[1]):
@@ -342,13 +350,13 @@ def _exchange(items: list[tuple[Tensor, Tensor]], dim: int, fn: Callable[[int, T
     offset = 0
     for c in by_group_rank:
         for j in mine:
-            start, n = sum(chunks[j][:c]), chunks[j][c]
+            start, n = starts[j][c], chunks[j][c]
             wholes[j][start:start + n].view(-1).copy_(received[offset:offset + n * shapes[j][1]])
             offset += n * shapes[j][1]
     done = {j: fn(j, X) for j, X in wholes.items()}
 
     # Back from the owners: each rank's rows of every result it holds a shard of.
-    send = [[done[j][sum(chunks[j][:c]):sum(chunks[j][:c + 1])].reshape(-1) for j in mine] for c in by_group_rank]
+    send = [[done[j][starts[j][c]:starts[j][c + 1]].reshape(-1) for j in mine] for c in by_group_rank]
     send_sizes = [sum(t.numel() for t in ts) for ts in send]
     recv_sizes = [sum(chunks[j][me] * shapes[j][1] for j in range(len(items)) if owner[j] == c)
                   for c in by_group_rank]
@@ -372,4 +380,4 @@ def _all_to_all(parts: list[Tensor], send_sizes: list[int], recv_sizes: list[int
     return received
 
 
-__all__ += ["row_mesh_dim", "row_chunks", "on_whole_matrices"]
+__all__ += ["row_mesh_dim", "row_starts", "row_chunks", "on_whole_matrices"]
