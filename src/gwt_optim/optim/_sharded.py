@@ -69,7 +69,7 @@ def check_sharding(p: Tensor) -> None:
             raise ValueError(
                 "GWT transforms along the last axis, which this DTensor parameter is sharded "
                 f"on ({tuple(p.placements)}); shard it along another axis (FSDP2's dim 0, ColwiseParallel) "
-                "instead, or put it in a group with level=0"
+                "instead"
             )
 
 
@@ -129,13 +129,14 @@ def distribute_state(p: Tensor, state: dict, spec: Callable[[tuple[int, ...]], d
     shape = tuple(p.shape)
     full = spec(shape)
     axes = [_sharded_axis(pl, p.ndim) for pl in p.placements]
+    split = {a for i, a in enumerate(axes) if a is not None and p.device_mesh.size(i) > 1}
     follows: dict[str, set[int]] = {}
     for d in {a for a in axes if a is not None}:
         grown = spec((*shape[:d], 2 * shape[d], *shape[d + 1:]))
         for key, s in full.items():
             if len(s) == p.ndim and len(grown[key]) == p.ndim and grown[key][d] != s[d]:
                 follows.setdefault(key, set()).add(d)
-            elif len(s) != p.ndim and grown[key] != s:
+            elif len(s) != p.ndim and grown[key] != s and d in split:
                 # e.g. Adam-mini's row statistics of a 3-D weight, kept flattened over its leading axes
                 raise ValueError(
                     f"the state {key!r} of shape {s} of a DTensor parameter {shape} placed {tuple(p.placements)} "
