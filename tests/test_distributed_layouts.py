@@ -26,8 +26,8 @@ them (the state must come back whole and bitwise) and run to the end, which
 must equal one process. Layouts a family cannot take are refused with one
 line, on every rank (REFUSED: GWT-Muon's Muon groups on FSDP2 + TP).
 
-The launch costs about 40 s of CPU time in all (4 processes and this one):
-70-95 s of wall time on 2 cores at a load average of 11-14.
+The launch costs 50-60 s of CPU time in all (4 processes and this one, user and system):
+75-95 s of wall time on 2 cores at a load average of 10-14.
 """
 
 from __future__ import annotations
