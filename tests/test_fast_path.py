@@ -67,7 +67,7 @@ def count_fused(monkeypatch):
 
 @pytest.mark.parametrize(
     "shape, level",
-    [((3, 17), 1), ((2, 3, 9), 2), ((4, 1), 4), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
+    [((3, 17), 1), ((2, 3, 9), 2), ((4, 5), 3), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
 )
 @pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
 @pytest.mark.parametrize("clip, alpha", [(0.5, 0.25), (None, 0.25), (0.5, 2.0), (None, 2.0)])

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import pywt
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gwt_optim import GWTAdamW
+from gwt_optim.optim.functional import max_level
 
 
 # ----------------------------------------------------------------- oracles --- #
@@ -135,6 +136,7 @@ def test_level0_matches_torch_adamw(weight_decay, impl):
     impl=st.sampled_from(["fast", "reference"]),
 )
 def test_matches_independent_float64_oracle(rows, n, level, gamma, wd, impl):
+    assume(level <= max_level(n))  # a deeper level is refused (test_a_level_deeper_than_a_row_can_use_is_refused)
     W0, grads = make_problem((rows, n), steps=4, seed=rows * 100 + n)
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd, level=level, scale=0.25, gamma=gamma)
     expected = numpy_gwt_adamw(W0, grads, **kw)
@@ -166,6 +168,7 @@ def test_equals_authors_update_as_eps_goes_to_zero():
     gamma=st.sampled_from([None, 1.01]),
 )
 def test_fast_path_matches_reference_path(shape, level, gamma):
+    assume(level <= max_level(shape[-1]))
     W0, grads = make_problem(shape, steps=3, seed=level)
     outs = [
         run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=level, norm_growth_limit=gamma, impl=impl), W0, grads)
@@ -302,15 +305,33 @@ def test_state_is_two_to_the_minus_level_of_adamw(level):
     assert moment_bytes * 2**level == 2 * W.numel() * 4
 
 
-def test_short_axis_is_zero_padded():
+def test_short_axis_is_zero_padded_up_to_the_deepest_level_it_can_use():
     W = torch.nn.Parameter(torch.randn(4, 3))
     W.grad = torch.randn_like(W)
-    with pytest.warns(UserWarning, match=r"\(shape \(4, 3\)\) has 3 columns, fewer than level 4 can use \(at most "
-                                         r"level 2\): its rows are zero-padded to 16"):
-        opt = GWTAdamW([W], level=4)  # 2^4 = 16 > 3
+    opt = GWTAdamW([W], level=2)  # ceil(log2 3) = 2: one block of 4, one zero of padding
     opt.step()
     assert opt.state[W]["exp_avg"].shape == (4, 1)
     assert torch.isfinite(W).all()
+
+
+@pytest.mark.parametrize("family", ["GWTAdamW", "GWTMuon", "GWTAdamMini", "GWTAdafactor"])
+@pytest.mark.parametrize("columns, deepest", [(1, 0), (3, 2), (4, 2), (5, 3), (128, 7), (129, 8)])
+def test_a_level_deeper_than_a_row_can_use_is_refused(family, columns, deepest):
+    """Past ceil(log2 n) a level only averages zero padding, and its alpha 2^(l/2) would scale the step as if it
+    did not: refused in one line naming the weight and the deepest level (the toolkit exits 2 on it)."""
+    import gwt_optim
+
+    assert max_level(columns) == deepest
+    cls = getattr(gwt_optim, family)
+    kw = dict(head_dim=1) if family == "GWTAdamMini" else {}
+    cls([torch.nn.Parameter(torch.zeros(2, columns))], level=deepest, **kw)  # the deepest is taken
+    with pytest.raises(ValueError) as refused:
+        cls([{"params": [torch.nn.Parameter(torch.zeros(2, columns))], "level": deepest + 1}], **kw)
+    assert str(refused.value) == (
+        f"{family}: parameter 0 of group 0 (shape (2, {columns})) has {columns} columns, fewer than level "
+        f"{deepest + 1} can use (at most level {deepest}): deeper levels only average zero padding into its rows, "
+        f"and a step scaled by their alpha 2^(level/2) would not be the rule's; give it a group of level {deepest} "
+        "or lower")
 
 
 def test_limiter_bounds_norm_growth():
@@ -500,7 +521,7 @@ def test_bad_hyperparameters_raise_value_error(kwargs, message):
 
 
 def test_bad_values_in_added_param_group_raise():
-    opt = GWTAdamW([torch.nn.Parameter(torch.randn(2, 2))])
+    opt = GWTAdamW([torch.nn.Parameter(torch.randn(2, 4))])
     with pytest.raises(ValueError, match="Invalid level: -2"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 2))], "level": -2})
 

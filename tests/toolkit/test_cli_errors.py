@@ -86,6 +86,16 @@ def test_an_optimizers_own_value_error_is_one_line(tiny_argv, capsys):
     assert "level" in _error(capsys)
 
 
+def test_a_level_too_deep_for_the_models_rows_is_one_line(tiny_argv, capsys):
+    # The tiny model's rows have 32 or 64 columns (at most level 5 or 6): level 10 is refused, not run at
+    # alpha 2^5 on a transform that stops mattering at level 6.
+    assert main(tiny_argv("--optimizer", "gwt-adamw:level=10")) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err  # no warnings before it
+    assert err[0].startswith("gwt-optim pretrain: error: GWTAdamW: parameter 0 of group 0 ")
+    assert "fewer than level 10 can use (at most level " in err[0]
+
+
 # ------------------------------------------------------------------------ numbers
 
 

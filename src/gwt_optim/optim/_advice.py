@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gwt_optim.optim._stepper import caller_stacklevel
 
-__all__ = ["say_what_a_flat_list_does", "say_if_the_level_is_too_deep"]
+__all__ = ["say_what_a_flat_list_does"]
 
 _said_flat = False
 
@@ -37,17 +37,3 @@ def say_what_a_flat_list_does(family: str, params: list, group: dict) -> None:
         UserWarning,
         stacklevel=caller_stacklevel(),
     )
-
-
-def say_if_the_level_is_too_deep(family: str, p: Tensor, level: int, where: str) -> None:
-    """ceil(log2 n) levels average a whole row of n columns; each further one only mixes in padding
-    zeros, which shrinks the approximation's share of the step and inflates the details'. Zero padding
-    is the documented rule for a short axis, so this is said, not refused."""
-    if p.ndim >= 2 and p.shape[-1] and level > (p.shape[-1] - 1).bit_length():
-        warnings.warn(
-            f"{family}: {where} has {p.shape[-1]} columns, fewer than level {level} can use (at most level "
-            f"{(p.shape[-1] - 1).bit_length()}): its rows are zero-padded to {1 << level} and the step "
-            "degenerates; give it a group of a lower level",
-            UserWarning,
-            stacklevel=caller_stacklevel(),
-        )

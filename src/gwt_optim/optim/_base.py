@@ -21,13 +21,13 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
-from gwt_optim.optim._advice import say_if_the_level_is_too_deep, say_what_a_flat_list_does
+from gwt_optim.optim._advice import say_what_a_flat_list_does
 from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._sharded import check_sharding, is_dtensor
 from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
-from gwt_optim.optim.functional import Moments
+from gwt_optim.optim.functional import Moments, max_level
 
 __all__ = ["GWTOptimizer", "IMPLEMENTATIONS", "TORCH_KEYWORDS"]
 
@@ -230,7 +230,13 @@ class GWTOptimizer(Optimizer):
             raise ValueError(f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized")
         if is_dtensor(p):
             check_sharding(p)  # a layout the transform cannot take: refused here, the same on every rank
-        say_if_the_level_is_too_deep(self._family, p, group["level"], where)
+        level, n = group["level"], p.shape[-1] if p.ndim >= 2 else 0
+        if n and level > max_level(n):
+            raise ValueError(
+                f"{self._family}: {where} has {n} columns, fewer than level {level} can use (at most level "
+                f"{max_level(n)}): deeper levels only average zero padding into its rows, and a step scaled by "
+                f"their alpha 2^(level/2) would not be the rule's; give it a group of level {max_level(n)} or lower"
+            )
 
     def _init_family_state(self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype,
                            transformed: bool) -> None:

@@ -56,7 +56,7 @@ __all__ = [
     "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
     "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
     "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
-    "adafactor_moments",
+    "adafactor_moments", "max_level",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adamw_scale", "adjust_lr_ratio", "compute_dtype",
     "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
 ]  # fmt: skip
@@ -157,6 +157,15 @@ def direction(G: Tensor, A: Tensor, U: Tensor, den: Tensor | None, r: Tensor | f
     if coeffs is not None:
         return _reference_inverse(coeffs, U, den, r, clip) * alpha
     return _haar_delta(G, A, U, den, coef, level, clip)
+
+
+def max_level(n: int) -> int:
+    """The deepest level a row of ``n`` entries can use: ceil(log2 n), where one block of 2^level covers it.
+
+    A deeper level only averages zero padding into the approximation (its update then shrinks and the
+    details' grow) while :func:`adamw_scale` of it would scale the step as if the level were real: the
+    optimizers refuse a weight whose last axis is shorter than its group's level needs."""
+    return max(n - 1, 0).bit_length()
 
 
 def adamw_scale(level: int) -> float:
