@@ -51,6 +51,34 @@ def test_resume_with_nothing_to_resume_refuses_in_one_line(tmp_path, capsys, fol
     assert _listing(run) == before
 
 
+def test_the_run_lock_is_retaken_when_its_file_was_removed_meanwhile(tmp_path, monkeypatch):
+    """A refused run removes the lock file it made: a process that opened that file just before and locks
+    it after holds a lock on a file no longer there, which guards nothing; it takes the one now in place."""
+    import fcntl
+    import os
+
+    from gwt_optim.toolkit.train import LOCK_FILE, lock_run_dir
+
+    real_flock, removed = fcntl.flock, []
+
+    def flock_after_removal(fd, op):
+        if not removed:  # the other process removes the file between this one's open and its flock
+            removed.append(True)
+            os.unlink(tmp_path / LOCK_FILE)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    with lock_run_dir(tmp_path):
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        assert removed and (tmp_path / LOCK_FILE).is_file()
+        other = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):  # the file in place is the one held
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+
+
 # ----------------------------------------------------------------- --help states the defaults the run uses
 
 
