@@ -47,7 +47,8 @@ class GWTAdamW(GWTOptimizer):
             ``detail_clip=None`` is the paper's update exactly.
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
             ``"bfloat16"`` to halve moment memory again, ``"float64"``, or
-            ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`).
+            ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`); or the torch
+            dtype of one (``torch.bfloat16``, ``torch.int8``), kept by name.
         impl: ``"fast"`` (closed-form Haar, default) or ``"reference"`` (the
             literal transform-normalize-inverse path, any wavelet).
         backend: where the fast Haar step runs: ``"auto"`` (default) takes
