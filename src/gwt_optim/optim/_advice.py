@@ -8,7 +8,7 @@ import warnings
 
 from torch import Tensor
 
-from gwt_optim.optim._stepper import caller_stacklevel
+from gwt_optim.optim._tracing import caller_stacklevel
 
 __all__ = ["say_what_a_flat_list_does"]
 

@@ -26,7 +26,8 @@ from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._sharded import check_sharding, is_dtensor
-from gwt_optim.optim._stepper import Stepper, caller_stacklevel, make_untraced, untraced
+from gwt_optim.optim._stepper import Stepper
+from gwt_optim.optim._tracing import caller_stacklevel, make_untraced, untraced
 from gwt_optim.optim.functional import Moments, max_level
 
 __all__ = ["GWTOptimizer", "IMPLEMENTATIONS", "TORCH_KEYWORDS"]
