@@ -2,8 +2,8 @@
 (:class:`Capabilities`), and :func:`choose`, the one function that picks a
 backend from those declarations, or says why none fits.
 
-This module imports only torch: the backends (``_fused``, ``_native``,
-``_triton``) and the stepper import it.
+This module imports torch, ``functional`` and ``_family``: the backends
+(``_fused``, ``_native``, ``_triton``) and the stepper import it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from gwt_optim.optim._family import group_lr
+from gwt_optim.optim.functional import AdamWScalars, adamw_scalars
+
 __all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
-           "moment_dtype", "moment_dtype_name", "route_key", "check_pointers"]
+           "moment_dtype", "moment_dtype_name", "route_key", "check_pointers", "kernel_scalars"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -119,8 +122,8 @@ class Bucket:
     of one group and step count whose alpha is all the group's or all 1.
 
     While a step plan holds, the backend gets the same list of the same
-    Buckets on every step under the plan's key, only ``step``, ``step_size``,
-    ``decay`` and ``grads`` new, so it may keep what it derives from them by
+    Buckets on every step under the plan's key, only ``step``, ``scalars``
+    and ``grads`` new, so it may keep what it derives from them by
     the list's identity: the plan has checked the parameters (address, shape,
     strides, dtype, device) and the state tensors (the same, at the same
     addresses); a gradient may be a new tensor of the same dtype, shape,
@@ -135,8 +138,16 @@ class Bucket:
     states: list[dict] = field(default_factory=list)
     levels: list[int] = field(default_factory=list)  # the group's level; 0 for fewer than two dimensions
     limited: list[bool] = field(default_factory=list)  # whether the limiter applies
-    step_size: float = 0.0  # alpha * lr * step factor (alpha alone is a group's "scale")
-    decay: float = 1.0  # 1 - lr * weight_decay
+    scalars: AdamWScalars | None = None  # this step's (kernel_scalars), set before each launch
+
+
+def kernel_scalars(group: dict, step: int, alpha: float) -> AdamWScalars:
+    """The scalars of a step of ``group``'s parameters at ``alpha`` for the
+    kernels: :func:`~gwt_optim.optim.functional.adamw_scalars` on the group's
+    options."""
+    beta1, beta2 = group["betas"]
+    return adamw_scalars(step, lr=group_lr(group), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], alpha=alpha)
 
 
 @dataclass(frozen=True)

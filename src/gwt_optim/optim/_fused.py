@@ -24,6 +24,7 @@ from torch import Tensor
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, Capabilities, check_pointers
 from gwt_optim.optim._native import NativeBackend, native_library
 from gwt_optim._toolchain import KernelUnavailable
+from gwt_optim.optim.functional import AdamWScalars
 
 __all__ = ["BACKENDS", "BACKEND_OPTIONS", "FusedBackend", "FusedAdamWBackend", "KernelUnavailable", "Kernels",
            "all_finite", "backend_option", "native_library"]
@@ -51,12 +52,13 @@ class FusedBackend(Protocol):
     def invalidate(self) -> None:
         """Forget what :meth:`step_buckets` keeps per plan key."""
 
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int) -> tuple[float | Tensor, Any]:
-        """Update the moments (a finite gradient); the limiter's ||U||^2 and a carry."""
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int,
+               scalars: AdamWScalars) -> tuple[float | Tensor, Any]:
+        """Update the moments (a finite gradient); the limiter's ||U||^2 and a
+        carry, which holds ``scalars`` (the step's, :func:`._backends.kernel_scalars`) for phase 2."""
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor, step_size: float,
-               decay: float) -> None:
-        """``w <- w * decay - step_size / r * delta``, right after phase 1 or later."""
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor) -> None:
+        """``w <- w * decay - step_size / r * delta`` (the carry's scalars), right after phase 1 or later."""
 
 
 class FusedAdamWBackend:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from gwt_optim import _toolchain
 from gwt_optim.optim._backends import CAPABILITIES, Bucket, check_pointers
+from gwt_optim.optim.functional import AdamWScalars
 
 __all__ = ["NativeBackend", "native_library"]
 
@@ -86,13 +86,13 @@ _PIPELINE_WORKSPACE_BYTES = 256 << 20
 _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 
-def _hyper(group: dict, level: int, step: int, step_size: float = 0.0, decay: float = 0.0) -> _Hyper:
-    """The kernels' hyperparameters of a step of ``group`` at ``level`` (detail_clip 0 when off)."""
-    beta1, beta2 = group["betas"]
+def _hyper(group: dict, level: int, s: AdamWScalars, step_size: float, decay: float) -> _Hyper:
+    """The kernels' hyperparameters of a step of ``group`` at ``level`` with
+    the step's scalars ``s`` (detail_clip 0 when off)."""
     clip = group.get("detail_clip")
     h = 2.0 ** (-level / 2)
-    return _Hyper(h=h, w1=1.0 - beta1, beta2=beta2, eps2=group["eps"] * math.sqrt(1.0 - beta2**step), scale=step_size,
-                  decay=decay, clip=0.0 if clip is None else float(clip))
+    return _Hyper(h=h, w1=s.w1, beta2=s.beta2, eps2=s.eps, scale=step_size, decay=decay,
+                  clip=0.0 if clip is None else float(clip))
 
 
 def _rows(G: Tensor) -> tuple[int, int, int]:
@@ -223,7 +223,8 @@ class NativeBackend:
                 # at level 0, its matrices at its level).
                 hyper = hypers.get((id(b), level))
                 if hyper is None:
-                    hyper = hypers[id(b), level] = _hyper(b.group, level, b.step, b.step_size, b.decay)
+                    s = b.scalars
+                    hyper = hypers[id(b), level] = _hyper(b.group, level, s, s.step_size, s.decay)
                 task.hyper = hyper
                 w, g = b.params[i], b.grads[i]  # a new gradient on most steps: its layout is checked every time
                 if not (g.is_contiguous() and g.shape == w.shape and g.dtype == w.dtype):
@@ -242,23 +243,23 @@ class NativeBackend:
             skipped += [b.params[i] for task, (b, i) in zip(entry.tasks, entry.items) if task.skipped]
         return skipped
 
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int, scalars: AdamWScalars):
         M, V = state["exp_avg"], state["exp_avg_sq"]
         check_pointers(self.name, G, G, state, level)  # the weight is checked in phase2
         rows, n, numel = _rows(G)
         # The carry to phase 2 (which runs after the limiter's all-reduce): the (d, t) workspace, the
-        # hyperparameters and the first moment, which the clipped phase 2 reads.
-        buf, hyper = torch.empty(2 * M.numel(), dtype=M.dtype), _hyper(group, level, step)
+        # hyperparameters, the first moment, which the clipped phase 2 reads, and the step's scalars.
+        buf, hyper = torch.empty(2 * M.numel(), dtype=M.dtype), _hyper(group, level, scalars, 0.0, 0.0)
         norm_sq = self._phase1[G.dtype](G.data_ptr(), M.data_ptr(), V.data_ptr(), buf.data_ptr(),
                                         buf[M.numel():].data_ptr(), rows, n, level, ctypes.byref(hyper),
                                         self._threads(numel, rows))
-        return norm_sq, (buf, hyper, M)
+        return norm_sq, (buf, hyper, M, scalars)
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry: tuple, r, step_size: float, decay: float) -> None:
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: tuple, r) -> None:
         check_pointers(self.name, w, G, None, level)
-        buf, hyper, M = carry
+        buf, hyper, M, scalars = carry
         rows, n, numel = _rows(G)
-        hyper.scale, hyper.decay = step_size / float(r), decay
+        hyper.scale, hyper.decay = scalars.step_size / float(r), scalars.decay
         d, t = buf.data_ptr(), buf[M.numel():].data_ptr()
         if hyper.clip > 0:
             self._phase2_clip[w.dtype](w.data_ptr(), G.data_ptr(), M.data_ptr(), d, t, rows, n, level,

@@ -16,13 +16,12 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim._backends import Bucket, choose, moment_dtype, route_key
-from gwt_optim.optim._family import group_lr
+from gwt_optim.optim._backends import Bucket, choose, kernel_scalars, moment_dtype, route_key
 from gwt_optim.optim._fused import all_finite
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
 from gwt_optim.optim._sharded import (Sharding, check_sharding, distribute_state, finite_across_ranks, is_dtensor,
                                       local, reduce_limiter_norms)
-from gwt_optim.optim.functional import LIMITER_EPS, adam_step_factor, compute_dtype, limiter_ratio
+from gwt_optim.optim.functional import LIMITER_EPS, compute_dtype, limiter_ratio
 
 __all__ = ["ParamStep", "Plan", "Stepper", "STEP", "make_plan", "plannable"]
 
@@ -96,14 +95,10 @@ def _buckets(batched: list[ParamStep]) -> list[tuple[Any, list[Bucket]]]:
 
 
 def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, key: Hashable = None) -> None:
-    """Each backend's buckets, one call each, with this step's scalars (the
-    kernels are GWT-AdamW's: the step factor is Adam's bias correction)."""
+    """Each backend's buckets, one call each, with this step's scalars."""
     for backend, buckets in by_backend:
         for b in buckets:
-            group, lr = b.group, group_lr(b.group)
-            alpha = group["scale"] if b.scaled else 1.0
-            b.step_size = alpha * lr * adam_step_factor(b.step, *group["betas"])
-            b.decay = 1 - lr * group["weight_decay"]
+            b.scalars = kernel_scalars(b.group, b.step, b.group["scale"] if b.scaled else 1.0)
         skipped.append(backend.step_buckets(buckets, LIMITER_EPS, key))
 
 
@@ -362,7 +357,8 @@ class Stepper:
         if batched:
             return ps
         if fused is not None:
-            norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step)
+            scalars = kernel_scalars(group, step, group["scale"] if transformed else 1.0)
+            norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step, scalars)
         elif sharded:  # the family's first half, its reductions over the shards (_sharded's rule)
             ps.carry = opt._moments(group, lstate, w, G, step, reduce=ps.sharding)
         else:  # the family's first half (functional.gwt_*_moments)
@@ -384,11 +380,7 @@ def _phase2(opt: Any, ps: ParamStep) -> None:
         else:
             opt._apply(group, ps.param, ps.carry, r, ps.step)
         return
-    lr = group_lr(group)
-    alpha = group["scale"] if ps.transformed else 1.0
-    # (alpha * lr) * c_t, as _launch's batched steps: the same bits at an alpha that is not a power of two
-    step_size = alpha * lr * adam_step_factor(ps.step, *group["betas"])
-    ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r, step_size, 1 - lr * group["weight_decay"])
+    ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r)
 
 
 def _needs_collective(opt: Any, ps: ParamStep) -> bool:

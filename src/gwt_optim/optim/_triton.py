@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from gwt_optim.optim._backends import CAPABILITIES, check_pointers
+from gwt_optim.optim.functional import AdamWScalars, adamw_scalars
 
 __all__ = ["TritonBackend", "DEFAULT_CHUNK", "DEFAULT_WARPS", "MAX_LEVEL"]
 
@@ -411,8 +412,9 @@ class TritonBackend:
             "exp_avg_sq": torch.zeros(3, 2, dtype=moment_dtype, device=w.device),
             "limiter_norm": torch.zeros((), device=w.device),
         }
-        group = {"betas": (0.9, 0.999), "eps": 1e-8, "norm_growth_limit": 1.01}
-        hyper = self._hyper(group, level, 2, limited=True)
+        group = {"norm_growth_limit": 1.01}
+        scalars = adamw_scalars(2, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, alpha=1.0)
+        hyper = self._hyper(group, level, 2, True, scalars)
         kinds = (w.dtype, G.dtype, moment_dtype)
         # Both forms of the phase kernels: ALIGNED, and one entry into a
         # storage (not 16-byte aligned), the general one.
@@ -458,27 +460,28 @@ class TritonBackend:
             if grads != bucket.pointers[1]:
                 self._point_grads(bucket, grads)
             count = self._count(bucket.device, counts)
-            hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited)
-            self._launch(bucket, hyper, entry.level, entry.kinds, batch.step_size, batch.decay, entry.limited,
-                         limiter_eps, count)
+            s = batch.scalars
+            hyper = self._hyper(batch.group, entry.level, batch.step, entry.limited, s)
+            self._launch(bucket, hyper, entry.level, entry.kinds, s.step_size, s.decay, entry.limited, limiter_eps,
+                         count)
         return tuple(counts)
 
-    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int):
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int, scalars: AdamWScalars):
         """Phase 1 and the reduction of one parameter, for a caller that runs
         the limiter itself: returns ``(norm_sq, carry)``, norm_sq a 0-d tensor."""
         # Phase 1 never touches W (G stands in for it in this table) nor s.
         kinds = (G.dtype, G.dtype, state["exp_avg"].dtype)
         bucket = self._bucket(("phase1", id(state)), [(G, G, state)], level, False, kinds)
-        hyper = self._hyper(group, level, step, limited=False)
+        hyper = self._hyper(group, level, step, False, scalars)
         self._launch_phase1(bucket, hyper, level, kinds, limited=True)
         _launch_limiter(
             (bucket.n_tensors,), bucket.ptrs, bucket.geom, bucket.partial, bucket.flags, bucket.inv_r, bucket.skip,
             bucket.norm_sq, bucket.norm_sq, hyper.gamma, 0.0, hyper.first, RB=_LIMITER_BLOCK, MODE=2,
         )
-        return bucket.norm_sq[0], (bucket, hyper, state)
+        return bucket.norm_sq[0], (bucket, hyper, state, scalars)
 
-    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r, step_size: float, decay: float) -> None:
-        reduced, hyper, state = carry
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry, r) -> None:
+        reduced, hyper, state, scalars = carry
         # The phase-1 table pointed W at G (phase 1 does not know W); this one points at W.
         kinds = (w.dtype, G.dtype, state["exp_avg"].dtype)
         bucket = self._bucket(("phase2", id(state)), [(w, G, state)], level, False, kinds)
@@ -486,7 +489,8 @@ class TritonBackend:
             reduced.inv_r[0].copy_(r.reciprocal())
         else:
             reduced.inv_r[0].fill_(1.0 / r)
-        self._launch_phase2(bucket, hyper, level, kinds, step_size, decay, reduced.inv_r, reduced.skip)
+        self._launch_phase2(bucket, hyper, level, kinds, scalars.step_size, scalars.decay, reduced.inv_r,
+                            reduced.skip)
 
     def invalidate(self) -> None:
         """Forget every cached table (they are also rebuilt when a pointer changes)."""
@@ -529,15 +533,15 @@ class TritonBackend:
         return count
 
     @staticmethod
-    def _hyper(group: dict, level: int, step: int, limited: bool) -> _Hyper:
-        beta1, beta2 = group["betas"]
+    def _hyper(group: dict, level: int, step: int, limited: bool, s: AdamWScalars) -> _Hyper:
+        """The launch's scalars: the step's ``s`` (:func:`._backends.kernel_scalars`), the group's limiter, clip."""
         clip = group.get("detail_clip")
         return _Hyper(
             h=2.0 ** (-level / 2),
-            w1=1.0 - beta1,
-            beta2=beta2,
-            w2=1.0 - beta2,
-            eps2=group["eps"] * math.sqrt(1.0 - beta2**step),
+            w1=s.w1,
+            beta2=s.beta2,
+            w2=s.w2,
+            eps2=s.eps,
             gamma=float(group["norm_growth_limit"]) if limited else 1.0,
             first=1.0 if step == 1 else 0.0,
             clip=math.inf if clip is None else float(clip),

@@ -55,7 +55,8 @@ __all__ = [
     "gwt_muon_apply_orthogonalized", "muon_input",
     "gwt_adam_mini_moments", "gwt_adam_mini_apply", "gwt_adafactor_moments", "gwt_adafactor_apply",
     "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
-    "adamw_moments", "adam_step_factor", "muon_momentum", "muon_direction", "adam_mini_moments",
+    "adamw_moments", "adam_step_factor", "adam_eps", "AdamWScalars", "adamw_scalars", "muon_momentum",
+    "muon_direction", "adam_mini_moments",
     "adafactor_moments", "max_level",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adamw_scale", "adjust_lr_ratio", "compute_dtype",
     "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
@@ -276,13 +277,41 @@ def adamw_moments(A: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, bet
         M.copy_(m)
         V.copy_(v)
         den = v.sqrt_()  # v is this step's copy: no second temporary
-    den.add_(eps * math.sqrt(1 - beta2**step))
+    den.add_(adam_eps(eps, beta2, step))
     return _safe_div(m, den), den
 
 
 def adam_step_factor(step: int, beta1: float, beta2: float) -> float:
     """c_t of Adam: the bias corrections, sqrt(1 - beta2^t) / (1 - beta1^t)."""
     return math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+
+def adam_eps(eps: float, beta2: float, step: int) -> float:
+    """eps' = eps sqrt(1 - beta2^t): torch's eps (added to the bias-corrected
+    sqrt(V)) where sqrt(V) is not corrected, the correction being in c_t."""
+    return eps * math.sqrt(1 - beta2**step)
+
+
+class AdamWScalars(NamedTuple):
+    """The scalars of one GWT-AdamW step of a group at one alpha, as the fused
+    kernels take them (each backend copies them into its launch arguments)."""
+
+    w1: float  # 1 - beta1, the first moment's weight of A_l
+    beta2: float
+    w2: float  # 1 - beta2
+    eps: float  # adam_eps: added to sqrt(V)
+    step_size: float  # (alpha lr) c_t, before the division by the limiter's r
+    decay: float  # 1 - lr wd
+
+
+def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  alpha: float) -> AdamWScalars:
+    """:func:`gwt_adamw`'s scalars at ``step`` for the fused kernels, the one
+    place they are computed. The eager halves take the same factors, but
+    apply alpha in the direction and ``lr c_t`` in the update, where the
+    kernels fold alpha into one step size, ``(alpha lr) c_t``."""
+    return AdamWScalars(1.0 - beta1, beta2, 1.0 - beta2, adam_eps(eps, beta2, step),
+                        alpha * lr * adam_step_factor(step, beta1, beta2), 1 - lr * weight_decay)
 
 
 def gwt_adamw_moments(W: Tensor, G: Tensor, exp_avg, exp_avg_sq, *, step: int, beta1: float, beta2: float,
@@ -494,7 +523,7 @@ def adam_mini_moments(A: Tensor, exp_avg: Tensor, vmean: Tensor, step: int, beta
     if m is not exp_avg:
         exp_avg.copy_(m)
         vmean.copy_(vm)
-    den = expand(vm.sqrt().add_(eps * math.sqrt(1 - beta2**step)), A, head_dim)
+    den = expand(vm.sqrt().add_(adam_eps(eps, beta2, step)), A, head_dim)
     return _safe_div(m, den), den
 
 
