@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import _protocol as P
-from gwt_optim.toolkit.runner import abort_on_signals
+from gwt_optim.toolkit.signals import abort_on_signals
 
 # Grids around the short-horizon bests (docs/results/h200-263fb73, the 600-step
 # probe of issue 18): three points each, as the CPU plan allows.

@@ -52,6 +52,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from gwt_optim.toolkit import runner as _runner  # noqa: E402
+from gwt_optim.toolkit.signals import abort_on_signals  # noqa: E402
 from gwt_optim.registry import format_spec  # noqa: E402
 from gwt_optim.registry import split_spec as parse_spec  # noqa: E402
 from gwt_optim.toolkit.runner import lock_out, same_config  # noqa: E402,F401 - same_config: for callers
@@ -932,7 +933,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
                                                   f"{s.shape['steps']} steps)" for s in studies), flush=True)
 
     t0 = time.monotonic()
-    with _runner.abort_on_signals([runner], "stopping the runs in flight; reporting what finished"):
+    with abort_on_signals([runner], "stopping the runs in flight; reporting what finished"):
         try:
             with ThreadPoolExecutor(max_workers=len(studies)) as pool:
                 futures = [pool.submit(run_study, st, runner, lrs=lrs, tune_seeds=tune_seeds,

@@ -134,7 +134,7 @@ def real(steps: int, record: list[int], levels=(1, 2, 3), seed=0) -> str:
     from gwt_optim.groups import split_params
     from gwt_optim.toolkit.data import build_data
     from gwt_optim.toolkit.models import build_model
-    from gwt_optim.toolkit.train import WarmupCosine, warmup_steps
+    from gwt_optim.toolkit.schedules import WarmupCosine, warmup_steps
 
     total, seq_len, tokens_per_step = 1953, 256, 8192
     data = build_data("pysrc", seq_len=seq_len, val_tokens=seq_len, seed=seed, vocab_size=4096)

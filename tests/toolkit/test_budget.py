@@ -738,7 +738,7 @@ def test_a_signal_stops_every_stage_so_no_queued_run_starts_after_it(tmp_path):
     stopped ones started on the freed slots, and the study went on training after the signal."""
     import signal
 
-    from gwt_optim.toolkit.runner import abort_on_signals
+    from gwt_optim.toolkit.signals import abort_on_signals
 
     args = SimpleNamespace(tokens_per_step=128, budget="512", tune_steps=None, regular_lr=3e-3, evals=2,
                            save_every=0, out=str(tmp_path), jobs=1, threads=1, resume=True, report_only=False,

@@ -28,7 +28,7 @@ from gwt_optim.cli import main
 from gwt_optim.toolkit.finetune import lm
 from gwt_optim.toolkit.finetune.common import run_measured
 from gwt_optim.toolkit.finetune.tiny import save_tiny_llama
-from gwt_optim.toolkit.train import lock_run_dir
+from gwt_optim.toolkit.run_folder import lock_run_dir
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "finetune"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -221,7 +221,7 @@ def test_a_worker_killed_from_outside_is_an_error_naming_the_signal():
 def test_a_worker_stopped_from_outside_stops_the_parent_too():
     # SIGTERM to the whole job (kill of the process group, systemd) may reach the worker first: the parent stops
     # as that signal stops it (exit 128 + 15 under the CLI), it does not fail.
-    from gwt_optim.toolkit.train import Stopped
+    from gwt_optim.toolkit.signals import Stopped
 
     with pytest.raises(Stopped) as caught:
         run_measured(True, signal.raise_signal, signal.SIGTERM)

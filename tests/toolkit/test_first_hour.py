@@ -57,7 +57,7 @@ def test_the_run_lock_is_retaken_when_its_file_was_removed_meanwhile(tmp_path, m
     import fcntl
     import os
 
-    from gwt_optim.toolkit.train import LOCK_FILE, lock_run_dir
+    from gwt_optim.toolkit.run_folder import LOCK_FILE, lock_run_dir
 
     real_flock, removed = fcntl.flock, []
 

@@ -12,7 +12,8 @@ import torch
 
 from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
-from gwt_optim.toolkit.train import Callback, NonFiniteLossError, WarmupCosine, train
+from gwt_optim.toolkit.schedules import WarmupCosine
+from gwt_optim.toolkit.train import Callback, NonFiniteLossError, train
 
 SUMMARY_KEYS = {"optimizer", "val_loss", "val_ppl", "state_bytes", "peak_rss_bytes", "tokens_per_s", "steps"}
 

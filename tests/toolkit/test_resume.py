@@ -22,7 +22,8 @@ from _waiting import finish, run, wait_for
 from gwt_optim.cli import main
 from gwt_optim.toolkit import checkpoint as ckpt
 from gwt_optim.toolkit.metrics import read_jsonl
-from gwt_optim.toolkit.train import Callback, TrainConfig, WarmupCosine, train
+from gwt_optim.toolkit.schedules import WarmupCosine
+from gwt_optim.toolkit.train import Callback, TrainConfig, train
 
 
 def _losses(run: str | Path) -> list[float]:

@@ -125,7 +125,7 @@ def test_nothing_starts_after_the_deadline_and_abort_stops_a_run_that_saves(tmp_
 
 
 def test_a_folder_another_process_writes_is_left_alone(tmp_path):
-    from gwt_optim.toolkit.train import lock_run_dir
+    from gwt_optim.toolkit.run_folder import lock_run_dir
 
     toy = Toy(tmp_path)
     run = toy.run_dir(0)
@@ -272,17 +272,17 @@ def test_the_protocol_runner_names_runs_as_before(tmp_path):
 
 @pytest.mark.usefixtures("terminal_signals")  # an ignored SIGTERM is left alone
 def test_sigterm_stops_raises_stopped_and_restores_the_handler():
-    from gwt_optim.toolkit.train import Stopped
+    from gwt_optim.toolkit.signals import Stopped, sigterm_stops
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Stopped), R.sigterm_stops():
+    with pytest.raises(Stopped), sigterm_stops():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_second_protocol_on_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
-    from gwt_optim.toolkit.train import lock_run_dir
+    from gwt_optim.toolkit.run_folder import lock_run_dir
 
     P = _load("_protocol")
     monkeypatch.setattr(P, "prepare_data", lambda base: {"train_tokens": 10**6, "train_windows": 4000,
@@ -306,7 +306,10 @@ def test_the_child_is_the_command_itself_after_the_wrapper(tmp_path):
     assert proc.returncode == 3 and int(out) == proc.pid
 
 
+@pytest.mark.usefixtures("terminal_signals")  # no handler goes over an ignored SIGINT (a background worker's)
 def test_ctrl_c_again_reaches_the_runs():
+    from gwt_optim.toolkit.signals import abort_on_signals
+
     class Stub:
         aborted = False
         sent: list = []
@@ -319,7 +322,7 @@ def test_ctrl_c_again_reaches_the_runs():
             self.sent.append(signum)
 
     stub = Stub()
-    with R.abort_on_signals([stub], "stopping"):
+    with abort_on_signals([stub], "stopping"):
         handler = signal.getsignal(signal.SIGINT)
         handler(signal.SIGINT, None)
         handler(signal.SIGTERM, None)  # a repeated SIGTERM asks again for the same stop

@@ -11,17 +11,17 @@ import pytest
 
 @pytest.mark.parametrize("warmup, steps, expected", [(0.1, 100, 10), (0.25, 10, 2), (0.35, 10, 4), (3, 10, 3), (3.0, 1, 3)])
 def test_one_warmup_rule(warmup, steps, expected):
-    from gwt_optim.toolkit.train import warmup_steps
+    from gwt_optim.toolkit.schedules import warmup_steps
 
     assert warmup_steps(warmup, steps) == expected
 
 
 def test_finetune_lm_uses_the_shared_helpers():
-    from gwt_optim.toolkit import data, models, train
+    from gwt_optim.toolkit import data, losses, models
     from gwt_optim.toolkit.finetune import lm, lm_train
 
     assert lm.pack_texts is data.pack_texts
-    assert lm.IGNORE_INDEX == train.IGNORE_INDEX
+    assert lm.IGNORE_INDEX == losses.IGNORE_INDEX
     src = inspect.getsource(lm_train)
     assert "warmup_steps(" in src and "count_parameters(" in src and "next_token_losses(" in src
     assert not hasattr(lm_train, "_trainable_params") and models.count_parameters

@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gwt_optim.toolkit.runner import Runner, last_error, sigterm_stops
+from gwt_optim.toolkit.runner import Runner, last_error
+from gwt_optim.toolkit.signals import sigterm_stops
 
 __all__ = ["register", "run_compare", "run_dir_name"]
 
@@ -68,7 +69,7 @@ _PRE_RUN_FILES = {"requested_config.json", "log.txt"}
 
 
 def _holds_files(run: Path) -> bool:
-    from gwt_optim.toolkit.train import LOCK_FILE
+    from gwt_optim.toolkit.run_folder import LOCK_FILE
 
     return run.is_dir() and any(p.name not in _PRE_RUN_FILES | {LOCK_FILE} for p in run.iterdir())
 
@@ -128,7 +129,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.pretrain import check_inputs, resolve_config
     from gwt_optim.toolkit.recipes import DEMO_OPTIMIZERS, DEMO_SETTING, paper_optimizers
     from gwt_optim.toolkit.registry import validate_optimizer_spec
-    from gwt_optim.toolkit.train import lock_run_dir
+    from gwt_optim.toolkit.run_folder import lock_run_dir
 
     if args.list:
         return _list_optimizers()

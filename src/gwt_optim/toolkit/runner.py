@@ -20,8 +20,10 @@ Every child runs in its own session: Ctrl-C at the terminal reaches only this
 process, which passes one SIGINT (or its SIGTERM) on to the run in progress,
 so it stops at a step boundary and saves; if this process is killed (SIGKILL),
 Linux sends each child SIGTERM (``PR_SET_PDEATHSIG``), so a run never
-outlives its driver as a second writer. A failed, diverged or stopped run is a
-result with a ``status``, never an exception.
+outlives its driver as a second writer. How the signals reach this process
+(SIGTERM as a ``Stopped`` while one run is waited for; an abort of every runner
+for a study) is :mod:`gwt_optim.toolkit.signals`. A failed, diverged or stopped
+run is a result with a ``status``, never an exception.
 
 Specs are read and written as text by :func:`gwt_optim.registry.split_spec`
 and :func:`~gwt_optim.registry.format_spec` (run folders and reused runs are
@@ -44,7 +46,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable
 
 __all__ = [
     "Runner",
@@ -52,8 +54,6 @@ __all__ = [
     "same_config",
     "launcher",
     "last_error",
-    "sigterm_stops",
-    "abort_on_signals",
     "end_with_parent",
     "die_with_parent",
     "lock_out",
@@ -154,10 +154,10 @@ def die_with_parent(parent: int) -> None:
 
 def lock_out(stack: contextlib.ExitStack, out: Path, prog: str) -> bool:
     """Hold ``out`` against a second writer for the life of ``stack``
-    (``train.lock_run_dir``; each run also locks its own folder). False, after
+    (:func:`~gwt_optim.toolkit.run_folder.lock_run_dir`; each run also locks its own folder). False, after
     one line on stderr naming ``prog``, when another process holds it."""
     from gwt_optim.toolkit.errors import UsageError
-    from gwt_optim.toolkit.train import lock_run_dir
+    from gwt_optim.toolkit.run_folder import lock_run_dir
 
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -183,50 +183,6 @@ def _stop(proc: subprocess.Popen, wait: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             signal_group(proc, signal.SIGKILL)
     return proc.wait()
-
-
-@contextlib.contextmanager
-def sigterm_stops() -> Iterator[None]:
-    """SIGTERM raises :class:`~gwt_optim.toolkit.train.Stopped` here, as Ctrl-C
-    raises ``KeyboardInterrupt``, so the run in progress is told and waited for."""
-    from gwt_optim.toolkit.train import Stopped
-
-    def handle(signum, frame):  # noqa: ARG001
-        raise Stopped(signum)
-
-    mine = threading.current_thread() is threading.main_thread()
-    mine = mine and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGTERM, handle) if mine else None
-    try:
-        yield
-    finally:
-        if mine:
-            signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def abort_on_signals(runners: Sequence["Runner"], message: str) -> Iterator[None]:
-    """While the block runs, SIGINT or SIGTERM prints ``signal N: MESSAGE`` and aborts ``runners`` (their runs
-    in flight are told to stop and save; the block then reports what finished). A second SIGINT reaches the
-    runs as one (their children lead their own sessions, so the terminal's does not): they quit at once."""
-
-    def on_signal(signum, frame):  # noqa: ARG001
-        if signum == signal.SIGINT and any(r.aborted for r in runners):
-            # Ctrl-C again: as at a run's own terminal, the runs quit without saving.
-            print(f"\nsignal {signum} again: the runs in flight quit without saving", flush=True)
-            for r in runners:
-                r.signal_runs(signal.SIGINT)
-            return
-        print(f"\nsignal {signum}: {message}", flush=True)
-        for r in runners:
-            r.abort()
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 class MetricsFollower:
@@ -493,7 +449,7 @@ class Runner:
         A run cut short resumes (``resume_partial``); otherwise the run starts afresh, and a finished run
         in its folder is moved aside to ``NAME.old<k>``, never deleted. Nothing is touched while another
         process writes in the folder (its lock: :class:`~gwt_optim.toolkit.errors.UsageError`)."""
-        from gwt_optim.toolkit.train import lock_run_dir
+        from gwt_optim.toolkit.run_folder import lock_run_dir
 
         run = self.run_dir(job)
         held = lock_run_dir(run) if run.is_dir() else contextlib.nullcontext()
@@ -572,8 +528,8 @@ class Runner:
     def _watch(self, proc: subprocess.Popen, run: Path, total: int | None, desc: str) -> tuple[int, bool]:
         """Wait for ``proc``: (exit status, whether it was stopped by :meth:`abort` or the deadline).
 
-        In the main thread, Ctrl-C (``KeyboardInterrupt``) or SIGTERM (:func:`sigterm_stops`) is passed on
-        to the run once, which stops at its next step and saves; this waits for it, then re-raises."""
+        In the main thread, Ctrl-C (``KeyboardInterrupt``) or SIGTERM (:func:`~gwt_optim.toolkit.signals.sigterm_stops`)
+        is passed on to the run once, which stops at its next step and saves; this waits for it, then re-raises."""
         from tqdm.auto import tqdm
 
         follower = MetricsFollower(run / "metrics.jsonl")

@@ -30,8 +30,9 @@ Ctrl-C (SIGINT) or SIGTERM (torchrun, Slurm, Kubernetes) asks the loop to
 stop at the next step boundary, where the weights, optimizer, schedule and
 data position agree; that state is saved and ``--resume`` continues bit for
 bit. All ranks stop at the same step. A second Ctrl-C quits at once, saving
-nothing (the last checkpoint stays). One process writes a run folder at a
-time (:func:`lock_run_dir`).
+nothing (the last checkpoint stays): :mod:`gwt_optim.toolkit.signals`. One
+process writes a run folder at a time, and a folder holding an earlier run is
+refused unless the run resumes: :mod:`gwt_optim.toolkit.run_folder`.
 """
 
 from __future__ import annotations
@@ -40,29 +41,26 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from gwt_optim.toolkit.checks import check_number, check_spec_numbers
 from gwt_optim.toolkit.errors import register_user_error
-from gwt_optim.toolkit.schedules import DECAY_SHAPES, SCHEDULES, WarmupCosine, make_schedule, warmup_steps
+from gwt_optim.toolkit.losses import next_token_losses, perplexity_of
+from gwt_optim.toolkit.run_folder import missing_folders, prepare_run_dir, remove_if_unused
+from gwt_optim.toolkit.schedules import DECAY_SHAPES, SCHEDULES, make_schedule
+from gwt_optim.toolkit.signals import StopAtStep
 
 __all__ = [
     "TrainConfig",
     "Callback",
     "NonFiniteLossError",
-    "WarmupCosine",
-    "warmup_steps",
-    "IGNORE_INDEX",
-    "next_token_losses",
     "train",
     "evaluate",
     "PRECISIONS",
@@ -71,34 +69,7 @@ __all__ = [
     "group_names",
     "resolved_groups",
     "resume_conflicts",
-    "Stopped",
-    "LOCK_FILE",
-    "lock_run_dir",
-    "check_number",
-    "check_spec_numbers",
 ]
-
-
-def check_number(flag: str, value: Any, *, minimum: float, integer: bool = False, strict: bool = False) -> None:
-    """A flag's value by the registry's one rule for numeric settings (which an optimizer
-    spec's options follow too): raise ``UsageError("FLAG must be a number > 0, got V")``."""
-    from gwt_optim.registry.base import number_problem
-    from gwt_optim.toolkit.errors import UsageError
-
-    problem = number_problem(flag, value, minimum=minimum, integer=integer, strict=strict)
-    if problem:
-        raise UsageError(problem)
-
-
-def check_spec_numbers(spec: str) -> None:
-    """Check ``spec``'s shared options (``gwt-adamw:lr=-1``) by the rule its flags follow
-    (``--lr``), before anything is created, as a ``UsageError``."""
-    from gwt_optim.registry.base import spec_number_problem
-    from gwt_optim.toolkit.errors import UsageError
-
-    problem = spec_number_problem(spec)
-    if problem:
-        raise UsageError(problem)
 
 
 @register_user_error  # errors imports no toolkit module: the type joins it here
@@ -247,6 +218,23 @@ def resume_conflicts(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     ]
 
 
+def _resume_check(cfg: TrainConfig):
+    """``check_saved`` for :func:`~gwt_optim.toolkit.run_folder.prepare_run_dir`: refuse to continue a run
+    saved with settings that ``--resume`` may not change."""
+    from gwt_optim.toolkit.errors import UsageError
+
+    def check(saved: dict[str, Any]) -> None:
+        conflicts = resume_conflicts(saved, cfg.to_dict())
+        if conflicts:
+            raise UsageError(
+                f"--resume: {Path(cfg.out)} was trained with other settings ({'; '.join(conflicts)}). Only "
+                f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_MAY_CHANGE - {'out', 'resume'}))} "
+                "may change on resume; start a new run with another --out"
+            )
+
+    return check
+
+
 class Callback:
     """Hooks into the loop (tests use them to inject faults; users to log)."""
 
@@ -282,20 +270,6 @@ class DetailClipAnneal:
         s = min(1.0, max(0.0, s))
         for i, start in self.starts.items():
             self.optimizer.param_groups[i]["detail_clip"] = self.end + (start - self.end) * s
-
-
-IGNORE_INDEX = -100  # the label torch's cross-entropy (and transformers) skips
-
-
-def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position next-token cross-entropy ``[batch, seq_len - 1]`` in fp32;
-    positions labelled :data:`IGNORE_INDEX` are 0."""
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(len(labels), -1)
 
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -362,10 +336,6 @@ def evaluate(
     return float(total[0] / total[1])
 
 
-def _ppl(loss: float) -> float:
-    return math.exp(min(loss, 50.0))
-
-
 def build_optimizer_for(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
     """The optimizer of ``cfg.optimizer`` and what it resolved to (name, lr, alpha, options)."""
     from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer, parse_optimizer_arg, recipe_scale
@@ -430,147 +400,6 @@ def resolved_groups(optimizer: torch.optim.Optimizer, names: list[str]) -> list[
         out.append({"name": name, "params": len(g["params"]), "values": sum(p.numel() for p in g["params"]),
                     **json.loads(json.dumps(settings, default=lambda v: v.item() if torch.is_tensor(v) else str(v)))})
     return out
-
-
-# Files that make a folder an earlier run's: a new run there would replace them.
-_RUN_FILES = ("summary.json", "metrics.jsonl", "config.json")
-
-
-LOCK_FILE = ".writer.lock"
-
-
-@contextlib.contextmanager
-def lock_run_dir(folder: Path):
-    """Be the only writer of ``folder`` until the block ends: an exclusive
-    ``flock`` on its :data:`LOCK_FILE`, which the kernel releases when the
-    process dies however it dies, so a crash never leaves a stale lock.
-
-    Raises :class:`~gwt_optim.toolkit.errors.UsageError` naming the holder's pid
-    when another process holds it. Where ``flock`` is missing (not POSIX) or
-    refused (some network file systems), a warning says the folder is unguarded.
-    """
-    import socket
-
-    from gwt_optim.toolkit.errors import UsageError
-
-    try:
-        import fcntl
-    except ImportError:
-        fcntl = None
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            if fcntl is None:
-                raise OSError("no fcntl on this platform")
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # A refused run removes the lock file it created (_prepare_run_dir): a lock taken on the
-            # file it removed would guard nothing, so take the one now in its place.
-            while not _same_file(fd, folder / LOCK_FILE):
-                os.close(fd)
-                fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid, _, host = os.pread(fd, 256, 0).decode(errors="replace").strip().partition(" ")
-            where = f" on {host}" if host and host != socket.gethostname() else ""
-            raise UsageError(
-                f"{folder} is in use by another gwt-optim process (pid {pid or '?'}{where}); wait for it to end or "
-                "stop it (it saves on Ctrl-C or SIGTERM), or choose another --out"
-            ) from None
-        except OSError as exc:
-            print(f"warning: cannot lock {folder} ({exc}); make sure no other run writes to it", file=sys.stderr)
-        else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # and with it the lock
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
-def _nothing_to_resume(run: Path) -> str:
-    """Why ``--resume`` of ``run``, which holds no checkpoint, has nothing to continue, and what to do."""
-    if not run.exists():
-        return f"--resume: {run} does not exist, so there is no run to continue; drop --resume to start one there"
-    if any((run / f).is_file() for f in _RUN_FILES):
-        return (f"--resume: {run} holds a run with no checkpoint (it stopped before its first one, or its "
-                "checkpoints were removed), so there is nothing to continue; start afresh with another --out, or "
-                "delete that folder first")
-    return f"--resume: no checkpoint in {run}, so there is no run to continue; drop --resume to start one there"
-
-
-def _prepare_run_dir(cfg: TrainConfig, is_main: bool, held: contextlib.ExitStack, *,
-                     must_resume: bool = False) -> Path:
-    """The run folder, checked on every rank (they share it) so they all fail alike;
-    rank 0 holds its lock (:func:`lock_run_dir`) in ``held``, before anything reads
-    or writes in it. ``must_resume``: a resume without a checkpoint to continue is
-    refused (the command line's ``--resume``) rather than started from step 0."""
-    from gwt_optim.toolkit.errors import UsageError
-
-    run = Path(cfg.out)
-    if run.exists() and not run.is_dir():
-        raise UsageError(f"--out {run} is a file, not a folder")
-    if cfg.resume and must_resume and not run.is_dir():
-        raise UsageError(_nothing_to_resume(run))
-    lock_before: bytes | None = b""
-    if is_main:
-        try:
-            run.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise UsageError(f"--out {run}: a file is in the way of that folder") from None
-        if not os.access(run, os.W_OK):
-            raise PermissionError(13, "permission denied", str(run))
-        try:
-            lock_before = (run / LOCK_FILE).read_bytes()
-        except FileNotFoundError:
-            lock_before = None
-        held.enter_context(lock_run_dir(run))
-    try:
-        _check_run_dir(run, cfg, must_resume=must_resume)
-    except (UsageError, FileExistsError):
-        # A refused run leaves the folder as it found it (train() removes one it created).
-        if is_main and lock_before is None:
-            (run / LOCK_FILE).unlink(missing_ok=True)
-        elif is_main:
-            (run / LOCK_FILE).write_bytes(lock_before)
-        raise
-    return run
-
-
-def _check_run_dir(run: Path, cfg: TrainConfig, *, must_resume: bool) -> None:
-    """Refuse a run folder ``cfg`` cannot start or continue in (under its lock)."""
-    from gwt_optim.toolkit.checkpoint import list_checkpoints
-    from gwt_optim.toolkit.errors import UsageError
-
-    saved = list_checkpoints(run)
-    if not cfg.resume and (saved or any((run / f).is_file() for f in _RUN_FILES)):
-        if not saved:  # nothing --resume could continue: do not send the user there
-            raise FileExistsError(f"{run} holds an earlier run, with no checkpoint to continue from; choose another "
-                                  "--out, or delete that folder first")
-        raise FileExistsError(
-            f"{run} holds an earlier run; pass --resume to continue it or choose another --out"
-        )
-    if cfg.resume and must_resume and not saved:
-        raise UsageError(_nothing_to_resume(run))
-    if cfg.resume:
-        try:
-            saved = json.loads((run / "config.json").read_text())
-        except FileNotFoundError:
-            saved = None
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--resume: {run / 'config.json'} is unreadable ({exc}); use a new --out") from None
-        conflicts = resume_conflicts(saved, cfg.to_dict()) if isinstance(saved, dict) else []
-        if conflicts:
-            raise UsageError(
-                f"--resume: {run} was trained with other settings ({'; '.join(conflicts)}). Only "
-                f"{', '.join('--' + k.replace('_', '-') for k in sorted(RESUME_MAY_CHANGE - {'out', 'resume'}))} "
-                "may change on resume; start a new run with another --out"
-            )
 
 
 def _is_eval_step(step: int, cfg: TrainConfig) -> bool:
@@ -640,67 +469,6 @@ def _use_schedule(scheduler, schedule) -> None:
     scheduler._last_lr = lrs
 
 
-class Stopped(KeyboardInterrupt):
-    """The run stopped on a signal (``signum``: SIGINT or SIGTERM), after saving
-    unless a second Ctrl-C quit at once; the CLI exits with ``128 + signum``."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = int(signum)
-
-
-class _StopOnSignal:
-    """SIGINT (Ctrl-C) or SIGTERM (torchrun, Slurm, Kubernetes, ``compare``)
-    while training: the first asks the loop to stop at the next step boundary
-    (``requested``), where it saves. A second Ctrl-C raises ``KeyboardInterrupt``
-    at once; a repeated SIGTERM, or any repeat under torchrun, changes nothing:
-    launchers deliver the same request twice (Slurm signals every process of a
-    job and torchrun forwards its own copy) and end a worker that outlasts
-    their grace period with SIGKILL themselves. Only the main thread can own a
-    signal handler; elsewhere, or for a signal that is ignored (SIGINT in a
-    background job), nothing is installed."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        from torch.distributed import is_torchelastic_launched
-
-        self.requested = False
-        self.signum: int | None = None
-        self._torchrun = is_torchelastic_launched()
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            if signum == signal.SIGINT and not self._torchrun:
-                raise KeyboardInterrupt
-            return
-        self.requested, self.signum = True, signum
-        if signum == signal.SIGINT and not self._torchrun:
-            note = b"Ctrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without saving)"
-        else:
-            note = signal.Signals(signum).name.encode() + b": stopping after this step to save a checkpoint"
-        # os.write, not print: a handler that prints while the loop prints can raise a reentrant-call error.
-        with contextlib.suppress(OSError):
-            os.write(2, b"\n" + note + b"\n")
-
-    def stopped(self) -> Stopped:
-        # A rank that got no signal itself was stopped by its peers: a job being terminated.
-        return Stopped(self.signum or signal.SIGTERM)
-
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-
 def train(cfg: TrainConfig, callbacks: Iterable[Callback] = (), *, must_resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end and return its summary (also in ``summary.json``).
 
@@ -715,35 +483,14 @@ def train(cfg: TrainConfig, callbacks: Iterable[Callback] = (), *, must_resume: 
     ``must_resume`` (``pretrain --resume``): then it is refused. A run that
     fails before writing anything leaves no folder it created behind.
     """
-    made = _missing_folders(Path(cfg.out))
+    made = missing_folders(Path(cfg.out))
     try:
         with contextlib.ExitStack() as held:
             return _train(cfg, callbacks, held, must_resume=must_resume)
     except BaseException:
         if made and os.environ.get("RANK", "0") == "0":
-            _remove_if_unused(made)
+            remove_if_unused(made)
         raise
-
-
-def _missing_folders(folder: Path) -> list[Path]:
-    """``folder`` and those of its parents that do not exist yet, innermost first."""
-    missing = []
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
-def _remove_if_unused(made: list[Path]) -> None:
-    """Remove the folders a failed run created, innermost first, while they hold
-    nothing (the run folder: nothing but its lock file)."""
-    for n, folder in enumerate(made):
-        try:
-            if n == 0 and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
-                (folder / LOCK_FILE).unlink()
-            folder.rmdir()
-        except OSError:  # not empty (the run wrote something), or gone: keep what is there
-            return
 
 
 def _train(cfg: TrainConfig, callbacks: Iterable[Callback], held: contextlib.ExitStack, *,
@@ -799,7 +546,8 @@ def _setup(cfg: TrainConfig, held: contextlib.ExitStack, *, must_resume: bool = 
     from gwt_optim.toolkit.distributed import init_distributed
 
     dctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout)
-    folder = _prepare_run_dir(cfg, dctx.is_main, held, must_resume=must_resume)
+    folder = prepare_run_dir(Path(cfg.out), resume=cfg.resume, is_main=dctx.is_main, held=held,
+                             check_saved=_resume_check(cfg), must_resume=must_resume)
     dctx.barrier()
     micro, accum = _micro_batches(cfg, dctx)
     amp = _autocast_dtype(cfg.precision, dctx.device)
@@ -940,7 +688,7 @@ class _StepResult:
     stop: bool  # some rank was asked to stop
 
 
-def _train_step(r: _Run, batch: torch.Tensor, sigint: "_StopOnSignal", meter, *, step: int,
+def _train_step(r: _Run, batch: torch.Tensor, sigint: StopAtStep, meter, *, step: int,
                 last_ckpt: Path | None) -> _StepResult:
     """Optimizer step ``step + 1`` on this rank's ``batch``: accumulate the
     micro-batches' gradients, agree on the loss and on a stop, then clip, step,
@@ -990,7 +738,7 @@ def _validate(r: _Run, step: int) -> float:
     """The validation loss after ``step`` steps, also logged to ``metrics.jsonl``."""
     val = evaluate(r.model, r.data.validation, batch_size=r.cfg.eval_batch_size, device=r.device,
                    autocast_dtype=r.amp, ctx=r.dctx)
-    r.log.write({"step": step, "val_loss": val, "val_ppl": _ppl(val)})
+    r.log.write({"step": step, "val_loss": val, "val_ppl": perplexity_of(val)})
     return val
 
 
@@ -1054,7 +802,7 @@ class _Loop:
 
         self.r.model.train()
         wall0 = time.perf_counter()
-        with _StopOnSignal() as sigint:
+        with StopAtStep() as sigint:
             try:
                 self._steps(sigint)
             except KeyboardInterrupt:
@@ -1070,7 +818,7 @@ class _Loop:
             atomic_write_json(self.r.folder / "summary.json", summary)
         return summary
 
-    def _steps(self, sigint: "_StopOnSignal") -> None:
+    def _steps(self, sigint: StopAtStep) -> None:
         from gwt_optim.toolkit.distributed import shard_rows
 
         r, cfg = self.r, self.r.cfg
@@ -1091,7 +839,7 @@ class _Loop:
             if _is_eval_step(self.step, cfg):
                 val_loss = _validate(r, self.step)
                 if r.dctx.is_main:
-                    self.bar.write(f"step {self.step}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+                    self.bar.write(f"step {self.step}: val_loss {val_loss:.4f} (ppl {perplexity_of(val_loss):.2f})")
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                 self.checkpoints.save(self.step)
 
@@ -1154,7 +902,7 @@ class _Loop:
             "scale": r.opt_info["scale"],
             "options": r.opt_info["options"],
             "val_loss": final["val_loss"],
-            "val_ppl": _ppl(final["val_loss"]),
+            "val_ppl": perplexity_of(final["val_loss"]),
             "train_loss": sum(self.recent) / len(self.recent) if self.recent else None,
             "state_bytes": final["state_bytes"],
             "state_bytes_per_rank": final["state_bytes_per_rank"],

@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def _run(args: argparse.Namespace) -> int:
     from gwt_optim.toolkit.finetune.common import HubUnavailable
     from gwt_optim.toolkit.registry import MissingDependency
-    from gwt_optim.toolkit.runner import sigterm_stops
+    from gwt_optim.toolkit.signals import sigterm_stops
 
     module = importlib.import_module(SUBCOMMANDS[args.finetune_command][0])
     try:

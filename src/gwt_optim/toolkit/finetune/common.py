@@ -124,7 +124,7 @@ def run_measured(isolate: bool, fn: Callable[..., T], *args: Any) -> T:
     It ignores Ctrl-C itself: this process, which sees the terminal's too,
     ends it. A worker stopped by SIGTERM or SIGINT from outside (``kill`` of
     the whole job) stops this process as that signal would
-    (:class:`~gwt_optim.toolkit.train.Stopped`).
+    (:class:`~gwt_optim.toolkit.signals.Stopped`).
     """
     if not isolate:
         return fn(*args)
@@ -178,7 +178,7 @@ def _worker_answer(worker: Any, receive: Any) -> tuple[str, Any, str | None]:
     """The worker's answer: ("ok", result, None) or ("error", exception, traceback)."""
     from multiprocessing.connection import wait
 
-    from gwt_optim.toolkit.train import Stopped
+    from gwt_optim.toolkit.signals import Stopped
 
     while True:
         ready = wait([receive, worker.sentinel])
@@ -444,7 +444,7 @@ def check_settings(settings: Any, *, counts: Sequence[str] = (), positive: Seque
     """A fine-tuning command's numbers by the toolkit's one rule (``--steps must be an integer >= 1, got -1``),
     as a ``UsageError`` when the settings are made, before a model loads: ``counts`` are integers >= 1,
     ``positive`` numbers > 0 and ``non_negative`` >= 0; a None (a setting left to its default rule) passes."""
-    from gwt_optim.toolkit.train import check_number
+    from gwt_optim.toolkit.checks import check_number
 
     def check(name: str, value: Any, **bound: Any) -> None:
         if value is not None:

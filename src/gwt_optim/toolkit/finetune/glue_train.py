@@ -30,7 +30,7 @@ from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task
 from gwt_optim.toolkit.schedules import hf_scheduler_args
-from gwt_optim.toolkit.train import lock_run_dir
+from gwt_optim.toolkit.run_folder import lock_run_dir
 
 __all__ = ["GlueSettings", "run_glue"]
 
@@ -113,7 +113,7 @@ def run_glue(
     """Fine-tune every method on every task; write ``results.json`` after every run and ``results.md``.
 
     Returns the per-run records and the markdown report. One process writes
-    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.train.lock_run_dir`); a
+    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.run_folder.lock_run_dir`); a
     stop (Ctrl-C, or SIGTERM under the CLI) keeps the finished runs in both
     files, and ``resume`` goes on from them: a (task, method) run already in
     ``results.json`` is not trained again, provided the settings are the same.

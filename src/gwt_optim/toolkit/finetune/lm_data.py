@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import torch
 
 from gwt_optim.toolkit.data import pack_texts
-from gwt_optim.toolkit.train import IGNORE_INDEX
+from gwt_optim.toolkit.losses import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from gwt_optim.toolkit.finetune.lm_settings import LMSettings

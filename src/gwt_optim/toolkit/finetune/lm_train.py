@@ -37,7 +37,8 @@ from gwt_optim.toolkit.finetune.lm_model import (
 )
 from gwt_optim.toolkit.finetune.lm_report import lm_report
 from gwt_optim.toolkit.finetune.lm_settings import LMSettings
-from gwt_optim.toolkit.train import IGNORE_INDEX, lock_run_dir, next_token_losses
+from gwt_optim.toolkit.losses import IGNORE_INDEX, next_token_losses
+from gwt_optim.toolkit.run_folder import lock_run_dir
 
 __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
 
@@ -146,7 +147,7 @@ def run_lm(
     """Run the whole comparison; write ``results.json`` after every run and ``results.md`` at the end.
 
     ``cache_dir`` (default ``out_dir``) holds the de-quantized copy of a GGUF model. One process writes
-    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.train.lock_run_dir`); a stop (Ctrl-C, or SIGTERM under
+    ``out_dir`` at a time (:func:`~gwt_optim.toolkit.run_folder.lock_run_dir`); a stop (Ctrl-C, or SIGTERM under
     the CLI) keeps the finished runs in both files, and ``resume`` goes on from them.
     """
     specs = parse_methods(methods)
