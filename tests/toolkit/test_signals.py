@@ -270,3 +270,66 @@ def test_dist_timeout_reaches_init_process_group(tiny_model, corpus, tmp_path, m
     capsys.readouterr()
     assert main([*argv, "--dist-timeout", "0"]) == 2
     assert "--dist-timeout" in capsys.readouterr().err
+
+
+def _every_toolkit_handler():
+    """What the toolkit installs for SIGINT and SIGTERM, each a context manager on signals.StopSignals."""
+    from gwt_optim.toolkit.signals import StopAtStep, abort_on_signals, sigterm_stops
+
+    class NoRunners:
+        aborted = False
+
+    return {"training": StopAtStep(), "a driver's": sigterm_stops(), "a study's": abort_on_signals([NoRunners()], "")}
+
+
+def test_every_handler_leaves_an_ignored_signal_ignored_and_restores_the_rest():
+    """One rule for all three (issue 55): a signal ignored when the block starts (a background job's SIGINT)
+    stays ignored inside it, and every handler in place before is back after it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # terminal_signals puts Python's own back after the test
+    before = signal.getsignal(signal.SIGTERM)
+    for who, handler in _every_toolkit_handler().items():
+        with handler:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, who
+            if who != "a driver's":  # SIGTERM alone: Ctrl-C stays Python's KeyboardInterrupt
+                assert signal.getsignal(signal.SIGTERM) is not before, who
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, who
+        assert signal.getsignal(signal.SIGTERM) is before, who
+
+
+def test_no_handler_is_installed_outside_the_main_thread():
+    """Python lets only the main thread own a handler: in another (a runner's worker thread) the toolkit's
+    handlers install nothing and raise nothing."""
+    import threading
+
+    seen: dict[str, tuple] = {}
+
+    def enter_each() -> None:
+        for who, handler in _every_toolkit_handler().items():
+            with handler:
+                seen[who] = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    worker = threading.Thread(target=enter_each)
+    worker.start()
+    worker.join(CAP_S)
+    assert seen == dict.fromkeys(_every_toolkit_handler(), before)
+
+
+def test_the_first_signal_is_the_request_and_a_second_ctrl_c_quits_training_at_once(capfd):
+    """The training loop's policy over StopSignals: the first SIGTERM sets the stop request and names itself
+    on stderr; a repeated SIGTERM changes nothing; a second Ctrl-C raises KeyboardInterrupt there and then."""
+    from gwt_optim.toolkit.signals import StopAtStep, Stopped
+
+    with StopAtStep() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt) as quit_now:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs at the next bytecode; this is never reached
+    assert type(quit_now.value) is KeyboardInterrupt
+    stopped = stop.stopped()
+    assert isinstance(stopped, Stopped) and stopped.signum == signal.SIGTERM
+    assert capfd.readouterr().err.count("SIGTERM: stopping after this step to save a checkpoint") == 1
