@@ -335,7 +335,7 @@ def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch, level, scale)
             caps = _fused.NativeBackend.capabilities
             mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
             if defer:
-                mp.setattr(_stepper, "_needs_collective", lambda opt, ps: True)
+                mp.setattr(_stepper, "_needs_collective", lambda ps: True)
             for _ in range(4):
                 opt.zero_grad()
                 m(x).square().mean().backward()

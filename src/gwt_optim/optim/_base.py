@@ -6,7 +6,8 @@ creates its state and calls that statement's two halves (:meth:`_moments`,
 :meth:`_apply`). This class holds the defaults and their validation,
 ``state_dict`` and ``load_state_dict``, the family hooks, the count of
 updates skipped for a non-finite gradient, and ``step()``, which hands the
-parameters to the stepper (:mod:`gwt_optim.optim._stepper`).
+groups, the state and each group's rule (:class:`._family.Rule`, made from the
+hooks) to the stepper (:mod:`gwt_optim.optim._stepper`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.optim.optimizer import Optimizer
 from gwt_optim import wavelets
 from gwt_optim.optim._advice import say_what_a_flat_list_does
 from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
+from gwt_optim.optim._family import Rule
 from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._sharded import check_sharding, is_dtensor
@@ -98,6 +100,17 @@ class GWTOptimizer(Optimizer):
                            ("_stepper", Stepper()), ("_kernels", self._KERNELS and self._KERNELS(
                                self._backend, self._strict, self._impl))):
             self.__dict__.setdefault(key, value)
+        self._make_rules()
+
+    def _make_rules(self) -> None:
+        """The family's rule from its hooks (:meth:`_rule_of` returns it); a
+        family with more than one kind of group makes one per kind."""
+        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, self._limiter_enabled,
+                          self._kernels)
+
+    def _rule_of(self, group: dict) -> Rule:
+        """The rule that steps ``group``'s parameters (its options merged with the defaults)."""
+        return self._rule
 
     @property
     def nonfinite_skips(self) -> int:
@@ -265,17 +278,6 @@ class GWTOptimizer(Optimizer):
     def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
         return transformed and group["norm_growth_limit"] is not None
 
-    def _whole_matrix(self, group: dict) -> bool:
-        """Whether the group's second half needs each sharded matrix whole
-        (GWT-Muon's Newton-Schulz): its sharded steps then wait for
-        :meth:`_between_phases`."""
-        return False
-
-    def _between_phases(self, pending: list) -> None:
-        """The family's collectives between the two halves of the sharded
-        steps ``pending`` (``_stepper.ParamStep``, the same parameters in the
-        same order on every rank), after the limiter's all-reduce."""
-
     # ------------------------------------------------------ state dicts --- #
 
     def state_dict(self) -> dict[str, Any]:
@@ -313,7 +315,7 @@ class GWTOptimizer(Optimizer):
             # taking today's default.
             "param_groups": [{"detail_clip": None, **saved_group(g), **TORCH_KEYWORDS} for g in saved_groups],
         }
-        check_saved_state(self, state_dict)
+        check_saved_state(self._family, self.param_groups, self.defaults, self._rule_of, state_dict)
         super().load_state_dict(state_dict)
         for group, keywords in zip(self.param_groups, live):
             group.update(keywords)
@@ -339,7 +341,7 @@ class GWTOptimizer(Optimizer):
                 loss = closure()
         skipped: list = []
         try:
-            self._stepper.step(self, skipped)
+            self._stepper.step(self.param_groups, self.state, self._rule_of, skipped)
         finally:
             self._count(skipped)
         return loss
@@ -358,7 +360,7 @@ class GWTOptimizer(Optimizer):
                 raise ValueError(f"{self._family}: step_param got a parameter this optimizer does not hold")
         skipped: list = []
         try:
-            self._stepper.step_param(self, p, group, skipped)
+            self._stepper.step_param(self.param_groups, self.state, self._rule_of, p, group, skipped)
         finally:
             self._count(skipped)
 

@@ -1,17 +1,43 @@
 """What every GWT family module shares and :mod:`gwt_optim.optim._base` does not
-own: a family's constructor builds its ``defaults`` with it.
+own: a family's constructor builds its ``defaults`` with it, and a group's
+:class:`Rule` is what the stepper runs.
 
-Kept out of the base so that the base holds the step, and the families'
-conventions sit in one small place that only the family modules import.
+Kept out of the base so that the base holds torch.optim's contract, and the
+families' conventions sit in one small place.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch import Tensor
 
-__all__ = ["transform_defaults", "check_adam_hyperparameters", "group_lr"]
+__all__ = ["Rule", "transform_defaults", "check_adam_hyperparameters", "group_lr"]
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """How a group's parameters step: everything the stepper
+    (:mod:`gwt_optim.optim._stepper`) and the saved-state checks
+    (:mod:`gwt_optim.optim._saved`) know of a family. A family makes one per
+    kind of group (GWT-Muon: its Muon groups' and its AdamW groups')."""
+
+    family: str  # the family's name, in messages
+    # (group, state, approx, moment_dtype, transformed): create the state tensors for A_l shaped like approx.
+    init_state: Callable[..., None]
+    # (group, state, W, G, step[, reduce=]) -> functional.Moments: the first half (reduce: a sharded
+    # parameter's _sharded.Sharding, passed only for one).
+    moments: Callable[..., Any]
+    # (group, W, moments, r, step[, reduce=]): the second half, with the limiter's r.
+    apply: Callable[..., None]
+    limited: Callable[[dict, bool], bool]  # (group, transformed): whether Fira's limiter applies
+    kernels: Any = None  # the fused kernels (_fused.Kernels) its steps may run on; None: every step eager
+    # Its sharded second half needs each matrix whole: those steps wait for between_phases.
+    whole_matrix: bool = False
+    # (pending ParamSteps, the same on every rank): its collectives between the halves of sharded steps,
+    # after the limiter's all-reduce.
+    between_phases: Callable[[list], None] | None = None
 
 
 def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit: float | None) -> dict[str, Any]:

@@ -29,13 +29,14 @@ def approx_shape(shape: tuple[int, ...], level: int, wavelet: str) -> tuple[int,
     return (*shape[:-1], k)
 
 
-def expected_state(opt: Any, group: dict, approx: tuple[int, ...], transformed: bool) -> dict[str, tuple]:
-    """The shapes of ``opt``'s state tensors for approximation coefficients of
-    shape ``approx``: what its family's ``_init_family_state`` creates, on the
+def expected_state(rule: Any, group: dict, approx: tuple[int, ...], transformed: bool) -> dict[str, tuple]:
+    """The shapes of the state tensors that ``rule`` (a group's
+    :class:`~gwt_optim.optim._family.Rule`) keeps for approximation
+    coefficients of shape ``approx``: what its ``init_state`` creates, on the
     meta device (no memory, no second statement of the state)."""
     state: dict[str, Any] = {}
     meta = torch.empty(approx, device="meta")
-    opt._init_family_state(group, state, meta, meta.dtype, transformed)
+    rule.init_state(group, state, meta, meta.dtype, transformed)
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
 
 
@@ -121,13 +122,15 @@ def check_family(mine: str, saved_groups: list[dict[str, Any]], families: dict[s
         raise ValueError(f"this state dict was saved by {other}; it cannot be loaded into {mine}")
 
 
-def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
-    """Check every saved state tensor's shape against its parameter and
-    its group's saved level, before anything is loaded."""
-    for gi, (group, saved) in enumerate(zip(opt.param_groups, state_dict["param_groups"])):
+def check_saved_state(family: str, groups: list[dict], defaults: dict[str, Any], rule_of: Any,
+                      state_dict: dict[str, Any]) -> None:
+    """Check every saved state tensor's shape against its parameter (of
+    ``groups``) and its group's saved level and rule (``rule_of`` of the
+    saved options over ``defaults``), before anything is loaded."""
+    for gi, (group, saved) in enumerate(zip(groups, state_dict["param_groups"])):
         if len(group["params"]) != len(saved["params"]):
             continue  # torch raises its own error for this
-        options = {**opt.defaults, **{k: v for k, v in saved.items() if k != "params"}}
+        options = {**defaults, **{k: v for k, v in saved.items() if k != "params"}}
         for pi, (p, pid) in enumerate(zip(group["params"], saved["params"])):
             st = state_dict["state"].get(pid)
             if not st:
@@ -136,13 +139,13 @@ def check_saved_state(opt: Any, state_dict: dict[str, Any]) -> None:
             level = options["level"] if transformed else 0
             where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
             try:
-                spec = expected_state(opt, options, approx_shape(tuple(p.shape), level, options["wavelet"]),
-                                      transformed)
+                spec = expected_state(rule_of(options), options,
+                                      approx_shape(tuple(p.shape), level, options["wavelet"]), transformed)
             except Exception as exc:  # options a family cannot build state for
-                raise ValueError(f"{opt._family}: {where}: cannot check its saved state ({exc})") from exc
+                raise ValueError(f"{family}: {where}: cannot check its saved state ({exc})") from exc
             problem = state_problem(st, spec, level)
             if problem is not None:
-                raise ValueError(f"{opt._family}: {where}: {problem}")
+                raise ValueError(f"{family}: {where}: {problem}")
 
 
 # Transfer-rule candidates of issue 46, measured and removed (docs/results/transfer-cpu.md): False is the

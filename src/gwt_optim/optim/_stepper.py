@@ -3,8 +3,10 @@
 step counted, the family's eager halves around the limiter, and the batched
 fused backends under a :class:`Plan` per scope (every parameter, key
 :data:`STEP`, or one for ``step_param``, key ``id(param)``), repeated while
-nothing it depends on has changed. It calls only the family's rule (its state
-and halves) and returns what it skipped, which the optimizer counts.
+nothing it depends on has changed. It is given the groups, the state and
+each group's :class:`~gwt_optim.optim._family.Rule` (its state, halves,
+limiter, kernels and sharding hooks), never the optimizer, and returns what
+it skipped, which the optimizer counts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim.optim._backends import Bucket, choose, kernel_scalars, moment_dtype, route_key
+from gwt_optim.optim._family import Rule
 from gwt_optim.optim._fused import all_finite
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
 from gwt_optim.optim._sharded import (Sharding, check_sharding, distribute_state, finite_across_ranks, is_dtensor,
@@ -50,6 +53,7 @@ class ParamStep:
     grad: Tensor  # the (local) gradient as the step reads it (choose's Route.grad)
     state: dict  # the (local) state
     group: dict
+    rule: Rule  # the group's
     transformed: bool  # two or more dimensions: the wavelet step, scale and limiter apply
     level: int
     limited: bool = False
@@ -218,29 +222,34 @@ class Stepper:
         # The family's state shapes per (group, gradient shape, level, ...), for state_problem.
         self.specs: dict[tuple, dict[str, tuple]] = {}
 
-    def step(self, opt: Any, skipped: list) -> None:
-        """One step of every parameter of ``opt`` with a gradient."""
-        groups, state = opt.param_groups, opt.state
-        self._run(opt, STEP, groups, [p for g in groups for p in g["params"]], lambda: list(state.values()),
-                  lambda: [(p, g) for g in groups for p in g["params"]], skipped)
+    def step(self, groups: list[dict], state: dict, rule_of: Callable[[dict], Rule], skipped: list) -> None:
+        """One step of every parameter of ``groups`` with a gradient (``state``:
+        the optimizer's state, by parameter; ``rule_of``: each group's rule)."""
+        self._run((groups, state, rule_of), STEP, groups, [p for g in groups for p in g["params"]],
+                  lambda: list(state.values()), lambda: [(p, g) for g in groups for p in g["params"]], skipped)
 
-    def step_param(self, opt: Any, p: Tensor, group: dict, skipped: list) -> None:
-        """The step of ``p`` alone, as :meth:`step` takes it, under a plan of its own."""
-        self._run(opt, id(p), [group], [p], lambda: [opt.state.get(p)], lambda: [(p, group)], skipped)
+    def step_param(self, groups: list[dict], state: dict, rule_of: Callable[[dict], Rule], p: Tensor, group: dict,
+                   skipped: list) -> None:
+        """The step of ``p`` alone (of ``group``, one of ``groups``), as :meth:`step`
+        takes it, under a plan of its own."""
+        self._run((groups, state, rule_of), id(p), [group], [p], lambda: [state.get(p)], lambda: [(p, group)],
+                  skipped)
 
-    def _run(self, opt: Any, key: Hashable, groups: list[dict], params: list[Tensor], states: Callable[[], list],
+    def _run(self, held: tuple, key: Hashable, groups: list[dict], params: list[Tensor], states: Callable[[], list],
              pairs: Callable[[], list[tuple[Tensor, dict]]], skipped: list) -> None:
         """The plan under ``key`` where it holds (and every check for the scope's
         other parameters), else every check for all of them and a new plan.
+        ``held``: (every group, the state, the rule of a group), as given;
         ``states`` and ``pairs`` give the scope's state dicts (as they are when
         called) and ``(parameter, group)`` pairs."""
         batched: list[ParamStep] = []
         deferred: list[ParamStep] = []
+        state = held[1]
         plan = self.plans.get(key)
-        grads = plan.grads(opt.state, groups, params, states) if plan is not None else None
+        grads = plan.grads(state, groups, params, states) if plan is not None else None
         if grads is not None:
             if plan.rest:
-                self._each(opt, plan.rest, batched, deferred, skipped)
+                self._each(held, plan.rest, batched, deferred, skipped)
                 # A parameter joined the batched kernels: plan again next time.
                 # (One the plan cannot hold, a gradient cast on every step, stays out.)
                 if any(map(plannable, batched)):
@@ -249,19 +258,21 @@ class Stepper:
         else:
             self.plans.pop(key, None)
             scope = pairs()
-            self._each(opt, scope, batched, deferred, skipped)
-            plan, batched = make_plan(opt.state, key, batched, scope, groups, states())
+            self._each(held, scope, batched, deferred, skipped)
+            plan, batched = make_plan(state, key, batched, scope, groups, states())
             if plan is not None:
                 self.plans[key] = plan
                 plan.run(None, skipped)
         # The batched steps no plan holds, then the limiter's all-reduce, the family's exchange
         # (GWT-Muon's whole matrices) and the deferred second halves.
         _launch(_buckets(batched), skipped)
-        reduce_limiter_norms(deferred)
         if deferred:
-            opt._between_phases(deferred)
-        for ps in deferred:
-            _phase2(opt, ps)
+            reduce_limiter_norms(deferred)
+            for rule in {id(ps.rule): ps.rule for ps in deferred}.values():
+                if rule.between_phases is not None:
+                    rule.between_phases([ps for ps in deferred if ps.rule is rule])
+            for ps in deferred:
+                _phase2(ps)
 
     def drop(self) -> None:
         """Forget every plan and state shape, and the backends' tables for the
@@ -272,48 +283,51 @@ class Stepper:
         self.plans = {}
         self.specs = {}
 
-    def _each(self, opt: Any, pairs: list[tuple[Tensor, dict]], batched: list[ParamStep],
+    def _each(self, held: tuple, pairs: list[tuple[Tensor, dict]], batched: list[ParamStep],
               deferred: list[ParamStep], skipped: list) -> None:
         """Every check and phase 1 of each ``(parameter, group)`` with a
         gradient; then phase 2 now, or the ParamStep queued for the batched
         kernels (``batched``) or behind the limiter's collective (``deferred``)."""
+        rule_of = held[2]
         sharded = [p for p, _ in pairs if p.grad is not None and is_dtensor(p)]
         finite = finite_across_ranks(sharded) if sharded else {}
         if len(pairs) > 1:
             # The eager path checks every gradient itself: where reading the
             # answer waits for the device, all of them at once.
             eager = [p for p, g in pairs if p.grad is not None and not is_dtensor(p) and not p.grad.is_sparse
-                     and p.numel() and (opt._kernels is None or opt._kernels.refusal(g) is not None)
+                     and p.numel() and ((k := rule_of(g).kernels) is None or k.refusal(g) is not None)
                      and _check_waits(p.grad)]
             if eager:
                 finite.update(_finite_at_once(eager))
         for p, group in pairs:
             if p.grad is None:
                 continue
+            rule = rule_of(group)
             if p.grad.is_sparse:
-                raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+                raise RuntimeError(f"{rule.family} does not support sparse gradients")
             if p.numel() == 0:
                 continue  # nothing to update, and no state to keep
-            ps = self._phase1(opt, p, group, finite.get(id(p)), skipped)
+            ps = self._phase1(held, rule, p, group, finite.get(id(p)), skipped)
             if ps is None:  # skipped, a non-finite gradient
                 continue
             if ps.batched:
                 batched.append(ps)
-            elif _needs_collective(opt, ps):
+            elif _needs_collective(ps):
                 deferred.append(ps)
             else:
-                _phase2(opt, ps)
+                _phase2(ps)
 
-    def _phase1(self, opt: Any, p: Tensor, group: dict, finite: bool | None, skipped: list) -> ParamStep | None:
+    def _phase1(self, held: tuple, rule: Rule, p: Tensor, group: dict, finite: bool | None,
+                skipped: list) -> ParamStep | None:
         """The backend, the state (created, or checked), the step count; then,
         with a finite gradient (``finite``: known already, else read here), the
-        fused phase 1 or the family's first half. A batched step runs later, whole."""
-        state, w, sharded = opt.state[p], local(p), is_dtensor(p)
+        fused phase 1 or the rule's first half. A batched step runs later, whole."""
+        state, w, sharded = held[1][p], local(p), is_dtensor(p)
         if sharded:
             check_sharding(p)  # before any collective: every rank refuses the same layout
         transformed = p.ndim >= 2
-        limited = opt._limiter_enabled(group, transformed)
-        route = choose(opt._kernels, group, w, local(p.grad), sharded, limited)
+        limited = rule.limited(group, transformed)
+        route = choose(rule.kernels, group, w, local(p.grad), sharded, limited)
         G, level, fused = route.grad, route.level, route.backend
         batched = fused is not None and fused.capabilities.batched and not sharded
         if finite is None and not batched:
@@ -327,12 +341,12 @@ class Stepper:
             # Only A_l's shape (an eager level-0 step: the gradient's own layout).
             approx = G if level == 0 and fused is None else G.new_empty(
                 approx_shape(tuple(G.shape), level, group["wavelet"]), dtype=cdt)
-            opt._init_family_state(group, state, approx, md, transformed)
+            rule.init_state(group, state, approx, md, transformed)
             if limited:
                 state["limiter_norm"] = torch.zeros((), dtype=cdt, device=w.device)
             if sharded:
                 distribute_state(p, state, lambda shape: expected_state(
-                    opt, group, approx_shape(shape, level, group["wavelet"]), transformed))
+                    rule, group, approx_shape(shape, level, group["wavelet"]), transformed))
         # Families see (and update in place) the local shards of their state.
         lstate = {k: local(v) for k, v in state.items()} if sharded else state
         if not new:
@@ -342,51 +356,51 @@ class Stepper:
             spec = self.specs.get(key)
             if spec is None:
                 shape = approx_shape(tuple(G.shape), level, group["wavelet"])
-                spec = self.specs[key] = expected_state(opt, group, shape, transformed)
+                spec = self.specs[key] = expected_state(rule, group, shape, transformed)
             problem = state_problem(lstate, spec, level, w, md if fused is not None else None)
             if problem is not None:
-                raise ValueError(f"{opt._family}: {describe(opt.param_groups, p)}: {problem}")
+                raise ValueError(f"{rule.family}: {describe(held[0], p)}: {problem}")
         # fill_ from a Python int: a third of the dispatch cost of `+= 1`.
         step = int(state["step"].item()) + 1
         state["step"].fill_(step)
         if finite is False:
             skipped.append(p)
             return None
-        ps = ParamStep(w, p, G, lstate, group, transformed, level, limited, backend=fused, step=step, batched=batched,
-                       sharding=Sharding(p) if sharded else None)
+        ps = ParamStep(w, p, G, lstate, group, rule, transformed, level, limited, backend=fused, step=step,
+                       batched=batched, sharding=Sharding(p) if sharded else None)
         if batched:
             return ps
         if fused is not None:
             scalars = kernel_scalars(group, step, group["scale"] if transformed else 1.0)
             norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step, scalars)
-        elif sharded:  # the family's first half, its reductions over the shards (_sharded's rule)
-            ps.carry = opt._moments(group, lstate, w, G, step, reduce=ps.sharding)
-        else:  # the family's first half (functional.gwt_*_moments)
-            ps.carry = opt._moments(group, lstate, w, G, step)
+        elif sharded:  # the rule's first half, its reductions over the shards (_sharded's rule)
+            ps.carry = rule.moments(group, lstate, w, G, step, reduce=ps.sharding)
+        else:  # the rule's first half (functional.gwt_*_moments)
+            ps.carry = rule.moments(group, lstate, w, G, step)
         if limited:
             ps.norm_sq = norm_sq if fused is not None else ps.carry.norm_sq()
         return ps
 
 
-def _phase2(opt: Any, ps: ParamStep) -> None:
+def _phase2(ps: ParamStep) -> None:
     """Fira's limiter (``r``, and ``s`` in the state), then the step's second
-    half: the family's eager ``_apply`` or the fused backend's phase 2."""
+    half: the rule's eager ``apply`` or the fused backend's phase 2."""
     group = ps.group
     r = limiter_ratio(ps.norm_sq, ps.state["limiter_norm"], ps.step, group["norm_growth_limit"]) if ps.limited \
         else 1.0
     if ps.backend is None:
         if ps.sharding is not None:
-            opt._apply(group, ps.param, ps.carry, r, ps.step, reduce=ps.sharding)
+            ps.rule.apply(group, ps.param, ps.carry, r, ps.step, reduce=ps.sharding)
         else:
-            opt._apply(group, ps.param, ps.carry, r, ps.step)
+            ps.rule.apply(group, ps.param, ps.carry, r, ps.step)
         return
     ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r)
 
 
-def _needs_collective(opt: Any, ps: ParamStep) -> bool:
+def _needs_collective(ps: ParamStep) -> bool:
     """Whether phase 2 must wait for the all-reduce of the limiter's norms or
-    for the family's exchange between the phases (FSDP2)."""
-    return is_dtensor(ps.full_param) and (ps.limited or opt._whole_matrix(ps.group))
+    for the rule's exchange between the phases (FSDP2)."""
+    return is_dtensor(ps.full_param) and (ps.limited or ps.rule.whole_matrix)
 
 
 def _check_waits(grad: Tensor) -> bool:

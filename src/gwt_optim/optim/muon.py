@@ -19,7 +19,7 @@ from torch import Tensor
 from gwt_optim.optim import adamw
 from gwt_optim.optim import functional as F
 from gwt_optim.optim._base import GWTOptimizer
-from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
+from gwt_optim.optim._family import Rule, check_adam_hyperparameters, group_lr, transform_defaults
 from gwt_optim.optim._sharded import check_sharding, is_dtensor, on_whole_matrices, row_mesh_dim
 from gwt_optim.optim.functional import (_ADJUST_LR, NS_COEFFICIENTS, NS_DTYPES, adjust_lr_ratio,
                                         zeropower_via_newtonschulz)
@@ -125,11 +125,23 @@ class GWTMuon(GWTOptimizer):
             )
         check_adam_hyperparameters(g)  # the AdamW groups' betas and eps
 
-    # Groups with use_muon=False are GWT-AdamW's: its state and halves (adamw.init_state, moments, apply).
+    # Two rules: Muon's (the hooks below) for use_muon groups, and GWT-AdamW's state and halves
+    # (adamw.init_state, moments, apply) for the others, eager (this family has no kernels).
+
+    def _make_rules(self) -> None:
+        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, self._limiter_enabled,
+                          whole_matrix=True, between_phases=self._between_phases)
+        impl = self._impl
+        self._adamw_rule = Rule(
+            self._family, lambda group, state, approx, md, transformed: adamw.init_state(group, state, approx, md),
+            lambda group, state, W, G, step, reduce=None: adamw.moments(group, state, W, G, step, impl),
+            lambda group, W, m, r, step, reduce=None: adamw.apply(group, W, m, r, step),
+            self._limiter_enabled)
+
+    def _rule_of(self, group: dict) -> Rule:
+        return self._rule if group["use_muon"] else self._adamw_rule
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
-        if not group["use_muon"]:
-            return adamw.init_state(group, state, approx, moment_dtype)
         state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
 
     def _limiter_enabled(self, group, transformed) -> bool:
@@ -139,14 +151,9 @@ class GWTMuon(GWTOptimizer):
     # AdamW groups: every statistic is an entry's or a row's, as GWTAdamW's (nothing to reduce); Muon groups:
     # X is computed row by row, and the whole matrix meets in _between_phases.
     def _moments(self, group, state, W, G, step, *, reduce=None):
-        if not group["use_muon"]:
-            return adamw.moments(group, state, W, G, step, self._impl)
         return F.gwt_muon_moments(W, G, state["momentum_buffer"], momentum=group["momentum"],
                                   nesterov=group["nesterov"], level=group["level"], impl=self._impl,
                                   wavelet=group["wavelet"])
-
-    def _whole_matrix(self, group) -> bool:
-        return group["use_muon"]
 
     def _between_phases(self, pending) -> None:
         """Each sharded Muon matrix's Newton-Schulz, once, on the whole matrix
@@ -155,9 +162,7 @@ class GWTMuon(GWTOptimizer):
         rank takes its rows back. Rows travel in the narrower of X's dtype and
         ``ns_dtype``: Newton-Schulz reads X in ``ns_dtype`` and its result is
         cast to X's, so either way the bits are one process's."""
-        steps = [ps for ps in pending if ps.group["use_muon"]]
-        if not steps:
-            return
+        steps = pending
         items = []
         for ps in steps:
             m = ps.carry
@@ -175,8 +180,6 @@ class GWTMuon(GWTOptimizer):
             ps.carry = _Orthogonalized(O.to(ps.carry.G.dtype), tuple(ps.full_param.shape))
 
     def _apply(self, group, W, m, r, step, *, reduce=None):
-        if not group["use_muon"]:
-            return adamw.apply(group, W, m, r, step)
         if isinstance(m, _Orthogonalized):  # a sharded matrix (_between_phases)
             F.gwt_muon_apply_orthogonalized(W, m.O, lr=group_lr(group), weight_decay=group["weight_decay"],
                                             alpha=group["scale"], shape=m.shape, adjust_lr_fn=group["adjust_lr_fn"])
