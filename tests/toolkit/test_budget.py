@@ -743,7 +743,7 @@ def test_a_signal_stops_every_stage_so_no_queued_run_starts_after_it(tmp_path):
     args = SimpleNamespace(tokens_per_step=128, budget="512", tune_steps=None, regular_lr=3e-3, evals=2,
                            save_every=0, out=str(tmp_path), jobs=1, threads=1, resume=True, report_only=False,
                            deadline=None, grace=5.0, match_budgets="0.5,0.75")
-    b = B.Budget(args, {"seq_len": 32}, windows=64, start=0.0)
+    b = B.Budget(args, {"seq_len": 32, "data": "pysrc"}, windows=64, start=0.0)  # a run folder names its data
     assert len(b.runners) == 4 and all(r.pool is b.tuner.pool for r in b.runners)
     with abort_on_signals(b.runners, "stopping"):
         os.kill(os.getpid(), signal.SIGTERM)
