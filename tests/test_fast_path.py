@@ -218,7 +218,8 @@ def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, sh
         opt.step()
     finally:
         torch.set_num_threads(saved)
-    (entry,) = opt._kernels.get("native")._plans["step"][2]
+    (table,) = opt._stepper.plans["step"].tables  # the plan's table for its one backend
+    (entry,) = table["native"][1]
     assert entry.pipelined == pipelined and entry.stride == 2 * 16 * 16
 
 

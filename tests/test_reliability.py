@@ -578,7 +578,7 @@ def test_the_fused_backend_protocol_is_a_typing_protocol():
     from typing import Protocol
 
     assert Protocol in _fused.FusedBackend.__mro__
-    members = ("prepare", "phase1", "phase2", "step_buckets", "invalidate")
+    members = ("prepare", "phase1", "phase2", "step_buckets")
     for name in members:
         assert callable(getattr(_fused.FusedBackend, name))
         assert callable(getattr(_fused.NativeBackend, name))

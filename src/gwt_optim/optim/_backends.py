@@ -122,9 +122,9 @@ class Bucket:
     of one group and step count whose alpha is all the group's or all 1.
 
     While a step plan holds, the backend gets the same list of the same
-    Buckets on every step under the plan's key, only ``step``, ``scalars``
-    and ``grads`` new, so it may keep what it derives from them by
-    the list's identity: the plan has checked the parameters (address, shape,
+    Buckets on every step with the plan's table for it, only ``step``,
+    ``scalars`` and ``grads`` new, so it may keep what it derives from them
+    in that table (the plan's, dropped with it): the plan has checked the parameters (address, shape,
     strides, dtype, device) and the state tensors (the same, at the same
     addresses); a gradient may be a new tensor of the same dtype, shape,
     strides and device.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -41,16 +41,13 @@ class FusedBackend(Protocol):
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Build or compile what this parameter needs, before any state changes."""
 
-    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list | tuple:
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, table: dict | None = None) -> list | tuple:
         """Whole steps of the parameters of ``buckets``; one with a non-finite
         gradient keeps its weight and state. Returns the parameters so
         skipped, or a tuple of running device counts of them (no host sync).
-        ``key`` names a step plan (see :class:`Bucket`): the backend may keep
-        what it derives from the list under it, until another list comes
-        under that key or :meth:`invalidate` is called."""
-
-    def invalidate(self) -> None:
-        """Forget what :meth:`step_buckets` keeps per plan key."""
+        ``table``: a step plan's dict for this backend (see :class:`Bucket`),
+        where the backend keeps what it derives from these buckets; the plan
+        owns it and drops it with itself. None: not under a plan."""
 
     def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int,
                scalars: AdamWScalars) -> tuple[float | Tensor, Any]:
@@ -74,10 +71,7 @@ class FusedAdamWBackend:
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
         """Nothing to build: the kernel ships with torch."""
 
-    def invalidate(self) -> None:
-        """Nothing kept."""
-
-    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list[Tensor]:
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, table: dict | None = None) -> list[Tensor]:
         skipped = []
         calls: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = {}
         for b in buckets:

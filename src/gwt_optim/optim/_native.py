@@ -14,7 +14,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable
 
 import torch
 from torch import Tensor
@@ -138,9 +137,6 @@ class NativeBackend:
         bf16_max_level = ((torch.bfloat16, lib.gwt_bf16_max_level()),)
         if bf16_max_level != self.capabilities.max_level:
             self.capabilities = dataclasses.replace(self.capabilities, max_level=bf16_max_level)
-        # Per plan key (step_buckets): the bucket list, the threads and
-        # limiter eps the task arrays were made for, and the arrays.
-        self._plans: dict[Hashable, tuple[list, tuple, list[_NativeTasks]]] = {}
         self._batch_workspace: dict[torch.dtype, Tensor] = {}
 
     def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
@@ -150,28 +146,25 @@ class NativeBackend:
     def _threads(numel: int, rows: int) -> int:
         return max(1, min(torch.get_num_threads(), rows, numel // _MIN_ENTRIES_PER_THREAD))
 
-    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, key: Hashable = None) -> list[Tensor]:
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, table: dict | None = None) -> list[Tensor]:
         """Whole steps (phase 1, limiter, phase 2) of the parameters of
         ``buckets``, one call per weight dtype; returns those skipped for a
         non-finite gradient (weight and state unchanged). The kernels read
         and write the limiter's norm ``state["limiter_norm"]`` in place.
 
-        Under a plan's ``key`` (see :class:`~gwt_optim.optim._backends.Bucket`)
-        the task arrays are made once per list of buckets, and afterwards only
-        the gradients' addresses and the per-step scalars are written into
-        them: filling one ctypes struct per parameter per step costs more
-        than the kernel on small weights."""
+        Under a plan (its ``table``, see :class:`~gwt_optim.optim._backends.Bucket`)
+        the task arrays are made once, kept in the table with the threads and
+        limiter eps they were made for, and afterwards only the gradients'
+        addresses and the per-step scalars are written into them: filling one
+        ctypes struct per parameter per step costs more than the kernel on
+        small weights."""
         threads = torch.get_num_threads()
-        cached = self._plans.get(key)
-        if cached is None or cached[0] is not buckets or cached[1] != (threads, limiter_eps):
-            cached = (buckets, (threads, limiter_eps), self._tasks(buckets, threads, limiter_eps))
-            if key is not None:
-                self._plans[key] = cached
-        return self._run(cached[2], threads)
-
-    def invalidate(self) -> None:
-        """Forget the task arrays kept for the optimizer's plans."""
-        self._plans.clear()
+        cached = table.get("native") if table is not None else None
+        if cached is None or cached[0] != (threads, limiter_eps):
+            cached = ((threads, limiter_eps), self._tasks(buckets, threads, limiter_eps))
+            if table is not None:
+                table["native"] = cached
+        return self._run(cached[1], threads)
 
     def _tasks(self, buckets: list[Bucket], threads: int, limiter_eps: float) -> list[_NativeTasks]:
         """The task arrays of these buckets' parameters, one per weight dtype,

@@ -98,12 +98,13 @@ def _buckets(batched: list[ParamStep]) -> list[tuple[Any, list[Bucket]]]:
     return list(by_backend.values())
 
 
-def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, key: Hashable = None) -> None:
-    """Each backend's buckets, one call each, with this step's scalars."""
-    for backend, buckets in by_backend:
+def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, tables: list[dict] | None = None) -> None:
+    """Each backend's buckets, one call each, with this step's scalars and,
+    under a plan, the plan's table for that backend (see :class:`Plan`)."""
+    for i, (backend, buckets) in enumerate(by_backend):
         for b in buckets:
             b.scalars = kernel_scalars(b.group, b.step, b.group["scale"] if b.scaled else 1.0)
-        skipped.append(backend.step_buckets(buckets, LIMITER_EPS, key))
+        skipped.append(backend.step_buckets(buckets, LIMITER_EPS, tables[i] if tables is not None else None))
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Plan:
     """The batched part of the last step over a scope, repeated without
     re-deriving it while nothing it depends on has changed (:meth:`grads`)."""
 
-    key: Hashable  # STEP, or id(param) for step_param's; the backends cache by it
+    key: Hashable  # STEP, or id(param) for step_param's
     state: dict  # the optimizer's state mapping it was made with
     groups: list[dict]  # the scope's groups: the buckets read their lr and weight decay
     routes: list[tuple]  # route_key of each of them
@@ -119,6 +120,9 @@ class Plan:
     states: list[dict]  # the scope's state dicts, in their order
     rest: list[tuple[Tensor, dict]]  # (parameter, group) of the scope's others: every check every step
     by_backend: list[tuple[Any, list[Bucket]]]  # the planned parameters' buckets, reused
+    # What each of those backends prepared from its buckets (task arrays, pointer tables), in
+    # by_backend's order: the plan's, dropped with it, filled by the backend on the first step.
+    tables: list[dict]
     flat: list[Bucket]  # the same Buckets in one list
     step_params: list[Tensor]  # the planned parameters, in the buckets' order
     step_states: list[dict]
@@ -174,7 +178,7 @@ class Plan:
                 i += len(b.params)
         self.version = self.counter._version
         try:
-            _launch(self.by_backend, skipped, self.key)
+            _launch(self.by_backend, skipped, self.tables)
         finally:
             # The plan outlives the step; the gradients must not (zero_grad frees them).
             for b in self.flat:
@@ -203,7 +207,7 @@ def make_plan(state: dict, key: Hashable, batched: list[ParamStep], pairs: list[
     plan = Plan(
         key=key, state=state, groups=list(groups), routes=[route_key(g) for g in groups],
         params=[p for p, _ in pairs], states=states, rest=[(p, g) for p, g in pairs if id(p) not in ids],
-        by_backend=by_backend, flat=flat, step_params=step_params, step_states=step_states,
+        by_backend=by_backend, tables=[{} for _ in by_backend], flat=flat, step_params=step_params, step_states=step_states,
         layouts=[_layout(p, g) for b in flat for p, g in zip(b.params, b.grads)], values=values,
         addresses=list(map(_data_ptr, values)), counter=counter, version=counter._version,
     )
@@ -275,11 +279,8 @@ class Stepper:
                 _phase2(ps)
 
     def drop(self) -> None:
-        """Forget every plan and state shape, and the backends' tables for the
-        plans: those reach the state tensors a loaded state dict replaces."""
-        backends = {id(b): b for plan in self.plans.values() for b, _ in plan.by_backend}
-        for backend in backends.values():
-            backend.invalidate()
+        """Forget every plan (with its backends' tables, which reach the state
+        tensors a loaded state dict replaces) and state shape."""
         self.plans = {}
         self.specs = {}
 

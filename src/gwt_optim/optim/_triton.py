@@ -53,7 +53,7 @@ import math
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -359,9 +359,9 @@ def _env_int(name: str, default: int) -> int:
 class TritonBackend:
     """GWT-AdamW's Haar step on multi-tensor Triton kernels.
 
-    ``step_buckets(buckets, limiter_eps, key)`` runs whole steps, three
-    launches per bucket (the optimizer's plans under their keys: all the
-    batched weights for ``step()``, one for each ``step_param``);
+    ``step_buckets(buckets, limiter_eps, table)`` runs whole steps, three
+    launches per bucket (under the optimizer's plans, which own the tables:
+    all the batched weights for ``step()``, one for each ``step_param``);
     ``phase1``/``phase2`` split the step around an external limiter (FSDP2).
 
     ``chunk`` (entries of W per phase program, a power of two) and
@@ -394,8 +394,6 @@ class TritonBackend:
         # gradient, which the limiter kernel adds to (see _count).
         self._skipped: dict[torch.device, Tensor] = {}
         self._ready: set[tuple] = set()
-        # Per plan key (see step_buckets): the Bucket list and its split into launches.
-        self._plans: dict[Hashable, tuple[list, list[_Planned]]] = {}
 
     # ------------------------------------------------------- selection --- #
 
@@ -429,32 +427,32 @@ class TritonBackend:
 
     # ----------------------------------------------------------- steps --- #
 
-    def step_buckets(self, buckets: list, limiter_eps: float, key: Hashable = None) -> tuple[Tensor, ...]:
+    def step_buckets(self, buckets: list, limiter_eps: float, table: dict | None = None) -> tuple[Tensor, ...]:
         """Whole steps (phase 1, limiter, phase 2) of the parameters of
         ``buckets`` (:class:`~gwt_optim.optim._backends.Bucket`): three
         launches for the parameters of a bucket that share a device, a
         level, dtypes and the limiter.
 
-        Under a plan's ``key`` (the optimizer's step plan, or one parameter's
-        for ``step_param``; a new list under a key replaces the old one) the
-        split and the tables are made once per list, with every check;
-        afterwards only the gradients' addresses may change (the optimizer has
-        checked the rest), and their column of the pointer table is uploaded
-        again when they do. Without a key the tables are kept per set of
-        parameters and checked on every call.
+        Under a plan (its ``table``: the optimizer's step plan, or one
+        parameter's for ``step_param``) the split and the tables are made
+        once, with every check, and kept in the plan's table; afterwards only
+        the gradients' addresses may change (the optimizer has checked the
+        rest), and their column of the pointer table is uploaded again when
+        they do. Without a table they are kept per set of parameters and
+        checked on every call.
 
         Returns the number of parameters skipped for a non-finite gradient as
         running counts: a tuple of 0-d int64 tensors, one per device, that
         every step of this backend adds to (read them only when needed:
         reading synchronizes).
         """
-        cached = self._plans.get(key)
-        if cached is None or cached[0] is not buckets:
-            cached = (buckets, [self._plan_bucket(b, index, key is None) for b in buckets for index in self._split(b)])
-            if key is not None:
-                self._plans[key] = cached
+        planned = table.get("triton") if table is not None else None
+        if planned is None:
+            planned = [self._plan_bucket(b, index, table is None) for b in buckets for index in self._split(b)]
+            if table is not None:
+                table["triton"] = planned
         counts = []
-        for entry in cached[1]:
+        for entry in planned:
             bucket, batch = entry.bucket, entry.batch
             grads = [batch.grads[i].data_ptr() for i in entry.index]
             if grads != bucket.pointers[1]:
@@ -491,11 +489,6 @@ class TritonBackend:
             reduced.inv_r[0].fill_(1.0 / r)
         self._launch_phase2(bucket, hyper, level, kinds, scalars.step_size, scalars.decay, reduced.inv_r,
                             reduced.skip)
-
-    def invalidate(self) -> None:
-        """Forget every cached table (they are also rebuilt when a pointer changes)."""
-        self._buckets.clear()
-        self._plans.clear()
 
     # --------------------------------------------------------- helpers --- #
 
