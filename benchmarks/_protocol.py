@@ -272,7 +272,7 @@ def folder_suffix(setting: Setting) -> str:
     base, kind = setting.base, setting.base.get("schedule", "cosine")
     suffix = {"cosine": "", "wsd": f"-wsd{base.get('decay', 0.2):g}-{base.get('decay_shape', '1-sqrt')}"}.get(
         kind, f"-{kind}")
-    if setting.home_data is not None and base.get("data") != setting.home_data:
+    if setting.home_data is not None and base.get("data", setting.home_data) != setting.home_data:
         suffix += "-data-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(base["data"]).name)
     return suffix
 
