@@ -77,11 +77,13 @@ def record(path: str) -> int:
                         _run(out, f"adamw-native-{dtype}-{level}-{clip}-{ngl}-{pm}",
                              lambda ps: GWTAdamW(ps, lr=1e-2, level=level, detail_clip=clip, norm_growth_limit=ngl,
                                                  weight_decay=0.1, moment_dtype=md), SHAPES, dtype, param_mode=pm)
-    for comp in (False, None):
+    # The case names keep the removed compile= option's values (False: eager, None: auto), so that
+    # recordings made before its removal still compare.
+    for comp, backend in ((False, "eager"), (None, "auto")):
         for impl in ("fast", "reference"):
             for md in (None, "bfloat16", "int8"):
                 _run(out, f"adamw-{comp}-{impl}-{md}",
-                     lambda ps: GWTAdamW(ps, lr=1e-2, compile=comp, impl=impl, moment_dtype=md), SHAPES)
+                     lambda ps: GWTAdamW(ps, lr=1e-2, backend=backend, impl=impl, moment_dtype=md), SHAPES)
     for impl in ("fast", "reference"):
         for block in ("neuron", "head"):
             _run(out, f"mini-{impl}-{block}", lambda ps: GWTAdamMini(ps, lr=1e-2, impl=impl, block=block, head_dim=4),

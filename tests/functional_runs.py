@@ -121,11 +121,11 @@ class Adafactor(Runner):
 def train(runner: type[Runner], W0: Tensor | list[Tensor], grads, *, lrs=None, snapshots=False, **kw):
     """Each tensor of ``W0`` (one or a list) from its own start through ``grads``
     (per step: a tensor, or one per tensor), by ``runner``'s rule with the
-    optimizer's keyword arguments (``compile`` is ignored; ``impl="reference"``
+    optimizer's keyword arguments (``backend`` is ignored; ``impl="reference"``
     runs the literal transform). Returns the final weights (as given: one or a
     list), the runners and, with ``snapshots``, the weights after each step."""
     single = isinstance(W0, Tensor)
-    kw = {k: v for k, v in kw.items() if k != "compile"}
+    kw = {k: v for k, v in kw.items() if k != "backend"}
     runs = [runner(w.detach().clone(), **kw) for w in ([W0] if single else W0)]
     seen = []
     for t, gs in enumerate(grads):

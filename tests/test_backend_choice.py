@@ -33,6 +33,9 @@ MOMENTS = [None, "float32", "bfloat16", "int8"]
 LEVELS = [0, 2, 12]  # 12: above the native bf16 bound (11) and Triton's (10)
 CLIPS = [None, 0.5]
 COMPILES = [None, False, True, "native", "triton"]
+# The cases keep the ids their answers were recorded under, from the removed compile= option: each is
+# the backend= it meant (True was "auto" with a failed build an error, which routes as "auto").
+_BACKEND_OF = {None: "auto", False: "eager", True: "auto", "native": "native", "triton": "triton"}
 # impl, then group options on top of GWT-AdamW's defaults
 VARIANTS = {
     "default": ("fast", {}),
@@ -108,7 +111,7 @@ def answers(select: bool = False):
     for cid, family, impl, compile, group, shape, wd, gd, sharded in cases():
         key = (family, impl, compile)
         if key not in opts:
-            kw = {"compile": compile} if family == "GWTAdamW" else {}
+            kw = {"backend": _BACKEND_OF[compile]} if family == "GWTAdamW" else {}
             opts[key] = getattr(gwt_optim, family)([torch.nn.Parameter(torch.zeros(2, 4))], lr=1e-3, impl=impl, **kw)
         opt = opts[key]
         g = {**opt.defaults, **group}
@@ -307,25 +310,16 @@ def test_candidates_per_backend_device_and_level():
     assert candidates("auto", "mps", 2) == []
 
 
-def test_compile_is_a_deprecated_alias_of_backend():
+def test_the_backend_option():
     from gwt_optim import GWTAdamW
 
     p = torch.nn.Parameter(torch.zeros(2, 4))
-    for compile, backend, strict in ((None, "auto", False), (True, "auto", True), (False, "eager", False),
-                                     ("native", "native", True), ("triton", "triton", True)):
-        if compile is None:
-            opt = GWTAdamW([p])
-        else:
-            with pytest.warns(DeprecationWarning, match=f"pass backend={backend!r}"):
-                opt = GWTAdamW([p], compile=compile)
-        assert (opt._backend, opt._strict) == (backend, strict)
+    assert (GWTAdamW([p])._backend, GWTAdamW([p])._strict) == ("auto", False)
     for backend in ("auto", "eager", "native", "triton"):
         opt = GWTAdamW([p], backend=backend)
         assert (opt._backend, opt._strict) == (backend, backend in ("native", "triton"))
     with pytest.raises(ValueError, match="backend must be one of"):
         GWTAdamW([p], backend="cuda")
-    with pytest.raises(ValueError, match="alone"):
-        GWTAdamW([p], backend="eager", compile=False)
 
 
 def test_no_capability_is_probed_with_getattr():

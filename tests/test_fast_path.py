@@ -1,7 +1,7 @@
 """The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the update's
 one statement, gwt_optim.optim.functional.gwt_adamw (tests/functional_runs.py
 runs it): the native C kernels on CPU in float64 (to 1e-12) and float32 (their
-SIMD code), the deferred phase 2 that FSDP2 uses, and the ``compile``
+SIMD code), the deferred phase 2 that FSDP2 uses, and the ``backend``
 option's fallbacks. The Triton kernels: tests/test_triton.py."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, c
     _native_or_skip()
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
     kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip, scale=alpha)
-    native, opt = _run(W0, grads, compile=True, **kw)
+    native, opt = _run(W0, grads, backend="native", **kw)
     reference, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}
     torch.testing.assert_close(native, reference, rtol=1e-12, atol=1e-13)
@@ -100,7 +100,7 @@ def test_native_float32_simd_matches_the_float64_functional_update(level, beta1,
     W0, grads = _problem((5, n), 5, torch.float64, seed=level)
     kw = dict(lr=1e-3, eps=1.0, betas=(beta1, 0.999), weight_decay=0.1, level=level, detail_clip=clip,
               scale=alpha)
-    got, _ = _run(W0.float(), [g.float() for g in grads], compile=True, **kw)
+    got, _ = _run(W0.float(), [g.float() for g in grads], backend="native", **kw)
     want, _ = runs.train(runs.AdamW, W0.float().double(), [g.float().double() for g in grads], **kw)
     assert count_fused == {"native": 5}
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
@@ -112,9 +112,9 @@ def test_native_uses_all_threads_consistently():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one, _ = _run(W0, grads, compile=True, level=2)
+        one, _ = _run(W0, grads, backend="native", level=2)
         torch.set_num_threads(max(2, threads))
-        many, _ = _run(W0, grads, compile=True, level=2)
+        many, _ = _run(W0, grads, backend="native", level=2)
     finally:
         torch.set_num_threads(threads)
     # Rows are independent; only the order of the limiter's norm sum differs.
@@ -143,7 +143,7 @@ def test_batched_steps_match_the_functional_update(threads, count_fused):
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        got = train(compile=True)
+        got = train(backend="native")
     finally:
         torch.set_num_threads(saved)
     want, _ = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2)
@@ -184,7 +184,7 @@ def test_pipelined_batch_skips_a_nonfinite_parameter_mid_pipeline(threads, clip,
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        got, opt = train(compile=True)
+        got, opt = train(backend="native")
     finally:
         torch.set_num_threads(saved)
     _, ref, want = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2, detail_clip=clip,
@@ -209,7 +209,7 @@ def test_pipelining_is_refused_when_its_workspace_would_be_large(monkeypatch, sh
     monkeypatch.setattr(_native, "_PIPELINE_WORKSPACE_SHARE", share)
     monkeypatch.setattr(_native, "_PIPELINE_WORKSPACE_BYTES", 0)
     params = [torch.nn.Parameter(torch.randn(16, 64)) for _ in range(8)]
-    opt = GWTAdamW(params, lr=1e-2, compile=True)
+    opt = GWTAdamW(params, lr=1e-2, backend="native")
     for p in params:
         p.grad = torch.randn_like(p)
     saved = torch.get_num_threads()
@@ -245,7 +245,7 @@ def test_native_bfloat16_matches_the_functional_update(shape, level, clip, count
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
     W0, grads = (W0 * 0.1).bfloat16(), [g.bfloat16() for g in grads]
     kw = dict(lr=1e-2, weight_decay=0.1, level=level, detail_clip=clip)
-    got, opt = _run(W0, grads, compile=True, **kw)
+    got, opt = _run(W0, grads, backend="native", **kw)
     want, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}
     assert got.dtype == want.dtype == torch.bfloat16
@@ -276,7 +276,7 @@ def test_native_bfloat16_level0_vectors_beside_matrices(scale, count_fused):
             opt.step()
         return [q.detach() for q in params], opt
 
-    got, opt = train(compile=True)
+    got, opt = train(backend="native")
     want, ref = runs.train(runs.AdamW, W0, grads, lr=1e-2, weight_decay=0.1, level=2, scale=scale)
     assert count_fused == {"native": 4 * len(W0)}
     for a, b in zip(got, want):
@@ -305,7 +305,7 @@ def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
     W0, grads = W0.bfloat16(), [g.bfloat16() for g in grads]
     grads[1][2, 2099] = float("inf")  # in the last, partial segment of the last row
     W = torch.nn.Parameter(W0.clone())
-    opt = GWTAdamW([W], lr=1e-2, level=2, compile=True)
+    opt = GWTAdamW([W], lr=1e-2, level=2, backend="native")
     W.grad = grads[0]
     opt.step()
     before = W.detach().clone(), {k: v.clone() for k, v in opt.state[W].items()}
@@ -331,7 +331,7 @@ def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch, level, scale)
     def train(batched, defer):
         m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24)).double()
         m.load_state_dict(model.state_dict())
-        opt = GWTAdamW(m.parameters(), lr=3e-3, level=level, scale=scale, compile=True)
+        opt = GWTAdamW(m.parameters(), lr=3e-3, level=level, scale=scale, backend="native")
         with monkeypatch.context() as mp:
             caps = _fused.NativeBackend.capabilities
             mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
@@ -352,11 +352,11 @@ def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):
     _native_or_skip()
     W0, grads = _problem((4, 32), 3, torch.float32)
     W = torch.nn.Parameter(W0.t().contiguous().t())  # non-contiguous
-    opt = GWTAdamW([W], lr=1e-2, level=2, compile=True)
+    opt = GWTAdamW([W], lr=1e-2, level=2, backend="native")
     for g in grads:
         W.grad = g.clone()
         opt.step()
-    fp16, _ = _run(W0.half(), [g.half() for g in grads], lr=1e-2, level=2, compile=True)
+    fp16, _ = _run(W0.half(), [g.half() for g in grads], lr=1e-2, level=2, backend="native")
     assert count_fused == {}
     want, _ = _run(W0, grads, lr=1e-2, level=2, backend="eager")
     torch.testing.assert_close(W.detach(), want, rtol=1e-5, atol=1e-6)
@@ -366,17 +366,22 @@ def test_unsupported_parameters_fall_back_to_the_generic_path(count_fused):
 # --------------------------------------------------------- backend names --- #
 
 
-def test_the_removed_inductor_backend_is_a_clear_error():
-    with pytest.raises(ValueError, match="inductor.*removed.*Triton"):
-        GWTAdamW([torch.nn.Parameter(torch.randn(2, 4))], compile="inductor")
+def test_the_unreleased_compile_alias_is_gone_and_its_pickles_load():
+    p = torch.nn.Parameter(torch.randn(2, 4))
+    with pytest.raises(TypeError, match="compile"):
+        GWTAdamW([p], compile=True)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        GWTAdamW([p], backend="inductor")
+    # An optimizer pickled before backend= (issue 45) kept only _compile: it maps as the alias did.
+    for compile, backend, strict in ((None, "auto", False), (True, "auto", True), (False, "eager", False),
+                                     ("native", "native", True)):
+        state = {k: v for k, v in GWTAdamW([p]).__getstate__().items() if k not in ("_backend", "_strict")}
+        old = GWTAdamW.__new__(GWTAdamW)
+        old.__setstate__({**state, "_compile": compile})
+        assert (old._backend, old._strict) == (backend, strict) and "_compile" not in old.__dict__
 
 
-def test_bad_compile_option_is_rejected():
-    with pytest.raises(ValueError, match="compile must be None"):
-        GWTAdamW([torch.nn.Parameter(torch.randn(2, 4))], compile="cuda-graphs")
-
-
-def test_compile_false_never_builds_kernels(monkeypatch, count_fused):
+def test_the_eager_backend_never_builds_kernels(monkeypatch, count_fused):
     monkeypatch.setattr(_native, "native_library", lambda: pytest.fail("built a kernel"))
     _run(torch.randn(4, 16), [torch.randn(4, 16)], level=2, backend="eager")
     assert count_fused == {}
@@ -394,4 +399,4 @@ def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monke
     eager, _ = _run(W0, grads, lr=1e-2, backend="eager")
     assert torch.equal(auto, eager)
     with pytest.raises(_fused.KernelUnavailable, match="no C compiler"):
-        _run(W0, grads, compile=True)
+        _run(W0, grads, backend="native")

@@ -240,7 +240,7 @@ def test_the_plan_changes_no_bit(path):
     state dicts included, at every step."""
     if path == "native":
         _native_or_skip()
-        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, compile=True)
+        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, backend="native")
     else:  # level 0, alpha 1, no limiter: torch._fused_adamw_ for every parameter
         kw = dict(lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None)
 
@@ -361,7 +361,7 @@ def test_step_param_plans_change_no_bit(path):
     step_param gives with no plan (every call the full path)."""
     if path == "native":
         _native_or_skip()
-        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, compile=True)
+        kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, backend="native")
     else:
         kw = dict(lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None)
 
@@ -407,8 +407,8 @@ def test_a_cast_gradient_does_not_unmake_the_plan():
     b = torch.nn.Parameter(torch.randn(6, 16, generator=gen))
     b.grad_dtype = None  # torch then lets its gradients be bf16
     twin_a, twin_b = (torch.nn.Parameter(p.detach().clone()) for p in (a, b))
-    opt = GWTAdamW([a, b], lr=1e-2, compile=True)
-    ref = GWTAdamW([twin_a, twin_b], lr=1e-2, compile=True)
+    opt = GWTAdamW([a, b], lr=1e-2, backend="native")
+    ref = GWTAdamW([twin_a, twin_b], lr=1e-2, backend="native")
     plans = []
     for t in range(4):
         ga, gb = torch.randn(8, 32, generator=gen), torch.randn(6, 16, generator=gen).bfloat16()
@@ -432,7 +432,7 @@ def test_loading_a_state_dict_frees_the_old_moments(path, each):
 
     if path == "native":
         _native_or_skip()
-        kw = dict(lr=1e-2, compile=True)
+        kw = dict(lr=1e-2, backend="native")
     else:
         kw = dict(lr=1e-2, level=0, scale=1.0, norm_growth_limit=None)
     params = _params()

@@ -325,7 +325,7 @@ def test_an_empty_read_only_kernel_cache_builds_privately_with_one_warning(monke
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            native, opt = train(compile=True)  # a failed build raises: so it built
+            native, opt = train(backend="native")  # a failed build raises: so it built
     finally:
         _native.native_library.cache_clear()
         _undo_read_only(kernels, how)

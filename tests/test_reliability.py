@@ -30,7 +30,7 @@ FAMILIES = {
 CLASSES = {"GWTAdamW": GWTAdamW, "GWTAdamMini": GWTAdamMini, "GWTAdafactor": GWTAdafactor, "GWTMuon": GWTMuon}
 # GWT-AdamW's three CPU paths: the native kernels, the eager fast path, the reference path.
 PATHS = {
-    "native": dict(compile=True),
+    "native": dict(backend="native"),
     "eager": dict(backend="eager"),
     "reference": dict(impl="reference", backend="eager"),
 }
@@ -120,7 +120,7 @@ def test_changing_the_level_after_loading_is_a_clear_error(path, new_level):
 )
 def test_native_kernels_never_see_unfit_state(corrupt, message):
     _native_or_skip()
-    W, opt = _stepped((16, 32), compile=True)
+    W, opt = _stepped((16, 32), backend="native")
     corrupt(opt.state[W])
     W.grad = _grad((16, 32), 9)
     before = W.detach().clone()
@@ -206,7 +206,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path,
         import torch
         from gwt_optim import GWTAdamW
         W = torch.nn.Parameter(torch.ones(4, 16))
-        opt = GWTAdamW([W], compile=True)
+        opt = GWTAdamW([W], backend="native")
         W.grad = torch.ones(4, 16)
         opt.step()
         assert torch.isfinite(W).all() and not torch.equal(W, torch.ones(4, 16))
@@ -435,7 +435,7 @@ def test_fused_gwt_adamw_leaves_the_checks_to_its_kernels(monkeypatch):
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: (calls.append(len(ts)), foreach_norm(ts, *a, **k))[1])
     params = [_param((8, 32), 1), _param((6, 16), 2)]
-    opt = GWTAdamW([{"params": params[:1]}, {"params": params[1:], "moment_dtype": "int8"}], lr=1e-2, compile=True)
+    opt = GWTAdamW([{"params": params[:1]}, {"params": params[1:], "moment_dtype": "int8"}], lr=1e-2, backend="native")
     for p in params:
         p.grad = _grad(tuple(p.shape), 0)
     opt.step()
@@ -557,7 +557,7 @@ def test_the_eager_step_is_the_functional_halves(family, monkeypatch):
         monkeypatch.setattr(F, f"gwt_{name}_{half}",
                             lambda *a, _real=real, _half=half, **k: calls.append((_half, id(a[0]))) or _real(*a, **k))
     W = _param((8, 32))
-    opt = FAMILIES[family]([W], **({"compile": False} if family == "GWTAdamW" else {}))
+    opt = FAMILIES[family]([W], **({"backend": "eager"} if family == "GWTAdamW" else {}))
     W.grad = _grad((8, 32), 0)
     opt.step()
     assert calls == [("moments", id(W)), ("apply", id(W))]

@@ -1,5 +1,5 @@
 """_backends.choose is the one place that decides where a parameter's step
-runs: this table lists each case (family, device, dtype, level, compile,
+runs: this table lists each case (family, device, dtype, level, backend,
 moment dtype, 1-D, impl, wavelet) and the path and backend it takes, and
 checks that a step takes exactly that route.
 
@@ -38,43 +38,43 @@ def _native() -> bool:
     return True
 
 
-# (id, family, options, parameter shape, weight dtype, gradient dtype, compile, impl)
+# (id, family, options, parameter shape, weight dtype, gradient dtype, backend, impl)
 #   -> (path, backend name, dtype the path reads the gradient in, level)
 TABLE = [
     # GWT-AdamW on CPU: the native kernels take the transformed step, torch's
     # fused AdamW the plain one (1-D, or level 0 with alpha 1 and no limiter).
-    ("adamw-2d", GWTAdamW, {}, (8, 32), F32, F32, None, "fast", ("batched", "native", F32, 2)),
-    ("adamw-3d", GWTAdamW, {}, (4, 3, 16), F32, F32, None, "fast", ("batched", "native", F32, 2)),
-    ("adamw-bf16", GWTAdamW, {}, (8, 32), BF16, BF16, None, "fast", ("batched", "native", BF16, 2)),
-    ("adamw-fp64", GWTAdamW, {}, (8, 32), F64, F64, None, "fast", ("batched", "native", F64, 2)),
-    ("adamw-paper", GWTAdamW, {"detail_clip": None}, (8, 32), F32, F32, None, "fast", ("batched", "native", F32, 2)),
+    ("adamw-2d", GWTAdamW, {}, (8, 32), F32, F32, "auto", "fast", ("batched", "native", F32, 2)),
+    ("adamw-3d", GWTAdamW, {}, (4, 3, 16), F32, F32, "auto", "fast", ("batched", "native", F32, 2)),
+    ("adamw-bf16", GWTAdamW, {}, (8, 32), BF16, BF16, "auto", "fast", ("batched", "native", BF16, 2)),
+    ("adamw-fp64", GWTAdamW, {}, (8, 32), F64, F64, "auto", "fast", ("batched", "native", F64, 2)),
+    ("adamw-paper", GWTAdamW, {"detail_clip": None}, (8, 32), F32, F32, "auto", "fast", ("batched", "native", F32, 2)),
     # an fp32 weight with bf16 gradients: the native kernels read fp32, so the gradient is cast
-    ("adamw-bf16-grad", GWTAdamW, {}, (8, 32), F32, BF16, None, "fast", ("batched", "native", F32, 2)),
-    ("adamw-1d", GWTAdamW, {}, (12,), F32, F32, None, "fast", ("batched", "fused_adamw", F32, 0)),
+    ("adamw-bf16-grad", GWTAdamW, {}, (8, 32), F32, BF16, "auto", "fast", ("batched", "native", F32, 2)),
+    ("adamw-1d", GWTAdamW, {}, (12,), F32, F32, "auto", "fast", ("batched", "fused_adamw", F32, 0)),
     # torch's CPU kernel takes one dtype: bf16 weights with fp32 moments take the native level 0
-    ("adamw-1d-bf16", GWTAdamW, {}, (12,), BF16, BF16, None, "fast", ("batched", "native", BF16, 0)),
+    ("adamw-1d-bf16", GWTAdamW, {}, (12,), BF16, BF16, "auto", "fast", ("batched", "native", BF16, 0)),
     ("adamw-level0-plain", GWTAdamW, {"level": 0, "scale": 1.0, "norm_growth_limit": None}, (8, 32), F32, F32,
-     None, "fast", ("batched", "fused_adamw", F32, 0)),
+     "auto", "fast", ("batched", "fused_adamw", F32, 0)),
     # level 0 with alpha != 1 or the limiter is not the plain step: eager
-    ("adamw-level0-scaled", GWTAdamW, {"level": 0}, (8, 32), F32, F32, None, "fast", ("plain", None, F32, 0)),
-    ("adamw-scalar", GWTAdamW, {}, (), F32, F32, None, "fast", ("plain", None, F32, 0)),
-    ("adamw-fp16", GWTAdamW, {}, (8, 32), F16, F16, None, "fast", ("haar", None, F32, 2)),
-    ("adamw-int8", GWTAdamW, {"moment_dtype": "int8"}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
-    ("adamw-bf16-moments", GWTAdamW, {"moment_dtype": "bfloat16"}, (8, 32), F32, F32, None, "fast",
+    ("adamw-level0-scaled", GWTAdamW, {"level": 0}, (8, 32), F32, F32, "auto", "fast", ("plain", None, F32, 0)),
+    ("adamw-scalar", GWTAdamW, {}, (), F32, F32, "auto", "fast", ("plain", None, F32, 0)),
+    ("adamw-fp16", GWTAdamW, {}, (8, 32), F16, F16, "auto", "fast", ("haar", None, F32, 2)),
+    ("adamw-int8", GWTAdamW, {"moment_dtype": "int8"}, (8, 32), F32, F32, "auto", "fast", ("haar", None, F32, 2)),
+    ("adamw-bf16-moments", GWTAdamW, {"moment_dtype": "bfloat16"}, (8, 32), F32, F32, "auto", "fast",
      ("haar", None, F32, 2)),
-    ("adamw-compile-off", GWTAdamW, {}, (8, 32), F32, F32, False, "fast", ("haar", None, F32, 2)),
-    ("adamw-compile-off-1d", GWTAdamW, {}, (12,), F32, F32, False, "fast", ("plain", None, F32, 0)),
-    ("adamw-reference", GWTAdamW, {}, (8, 32), F32, F32, None, "reference", ("reference", None, F32, 2)),
-    ("adamw-db2", GWTAdamW, {"wavelet": "db2"}, (8, 32), F32, F32, None, "fast", ("reference", None, F32, 2)),
-    ("adamw-bf16-eager", GWTAdamW, {}, (8, 32), BF16, BF16, False, "fast", ("haar", None, F32, 2)),
+    ("adamw-eager", GWTAdamW, {}, (8, 32), F32, F32, "eager", "fast", ("haar", None, F32, 2)),
+    ("adamw-eager-1d", GWTAdamW, {}, (12,), F32, F32, "eager", "fast", ("plain", None, F32, 0)),
+    ("adamw-reference", GWTAdamW, {}, (8, 32), F32, F32, "auto", "reference", ("reference", None, F32, 2)),
+    ("adamw-db2", GWTAdamW, {"wavelet": "db2"}, (8, 32), F32, F32, "auto", "fast", ("reference", None, F32, 2)),
+    ("adamw-bf16-eager", GWTAdamW, {}, (8, 32), BF16, BF16, "eager", "fast", ("haar", None, F32, 2)),
     # the other families have no fused kernels
-    ("muon", GWTMuon, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
-    ("muon-level0", GWTMuon, {"level": 0}, (8, 32), F32, F32, None, "fast", ("plain", None, F32, 0)),
-    ("adam-mini", GWTAdamMini, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
-    ("adam-mini-1d", GWTAdamMini, {}, (12,), F32, F32, None, "fast", ("plain", None, F32, 0)),
-    ("adafactor", GWTAdafactor, {}, (8, 32), F32, F32, None, "fast", ("haar", None, F32, 2)),
-    ("adafactor-reference", GWTAdafactor, {}, (8, 32), F32, F32, None, "reference", ("reference", None, F32, 2)),
-    ("adafactor-bf16", GWTAdafactor, {}, (8, 32), BF16, BF16, None, "fast", ("haar", None, F32, 2)),
+    ("muon", GWTMuon, {}, (8, 32), F32, F32, "auto", "fast", ("haar", None, F32, 2)),
+    ("muon-level0", GWTMuon, {"level": 0}, (8, 32), F32, F32, "auto", "fast", ("plain", None, F32, 0)),
+    ("adam-mini", GWTAdamMini, {}, (8, 32), F32, F32, "auto", "fast", ("haar", None, F32, 2)),
+    ("adam-mini-1d", GWTAdamMini, {}, (12,), F32, F32, "auto", "fast", ("plain", None, F32, 0)),
+    ("adafactor", GWTAdafactor, {}, (8, 32), F32, F32, "auto", "fast", ("haar", None, F32, 2)),
+    ("adafactor-reference", GWTAdafactor, {}, (8, 32), F32, F32, "auto", "reference", ("reference", None, F32, 2)),
+    ("adafactor-bf16", GWTAdafactor, {}, (8, 32), BF16, BF16, "auto", "fast", ("haar", None, F32, 2)),
 ]
 
 # The CUDA rows: the Triton backend, which reads bf16 and fp16 gradients as they are.
@@ -88,10 +88,10 @@ CUDA_TABLE = [
 ]
 
 
-def _make(family, options, shape, dtype, compile, impl):
+def _make(family, options, shape, dtype, backend, impl):
     p = torch.nn.Parameter(torch.randn(shape).to(dtype))
     p.grad_dtype = None  # torch lets a gradient have another dtype (the mixed rows)
-    kw = {"compile": compile} if family is GWTAdamW else {}
+    kw = {"backend": backend} if family is GWTAdamW else {}
     group = {"params": [p], **options}
     if family is GWTMuon and len(shape) < 2:
         group["use_muon"] = False
@@ -112,9 +112,9 @@ def route(opt, group, p, grad):
 
 
 def _check(case, monkeypatch=None):
-    _, family, options, shape, dtype, gdtype, compile, impl, (path, backend, read, level) = case
+    _, family, options, shape, dtype, gdtype, option, impl, (path, backend, read, level) = case
     assert path in PATHS
-    p, opt = _make(family, options, shape, dtype, compile, impl)
+    p, opt = _make(family, options, shape, dtype, option, impl)
     grad = torch.randn(shape).to(gdtype)
     got, fused, read_grad, got_level = route(opt, opt.param_groups[0], p, grad)
     assert (got, getattr(fused, "name", None), read_grad.dtype, got_level) == (path, backend, read, level)

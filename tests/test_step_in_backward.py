@@ -97,17 +97,17 @@ def _native_available():
 
 
 @pytest.mark.parametrize(
-    "compile_, moment_dtype",
+    "backend, moment_dtype",
     [
-        (False, None),
+        ("eager", None),
         pytest.param("native", None, marks=pytest.mark.skipif(not _native_available(), reason="no C compiler")),
-        (False, "int8"),
+        ("eager", "int8"),
     ],
 )
-def test_gwt_adamw_in_backward_is_bitwise_a_normal_step(compile_, moment_dtype):
+def test_gwt_adamw_in_backward_is_bitwise_a_normal_step(backend, moment_dtype):
     # conftest sets one intra-op thread: the native kernels' norm sums then
     # add rows in the same order whether a parameter runs alone or batched.
-    _compare(_gwt(GWTAdamW, weight_decay=0.1, compile=compile_, moment_dtype=moment_dtype))
+    _compare(_gwt(GWTAdamW, weight_decay=0.1, backend=backend, moment_dtype=moment_dtype))
 
 
 @pytest.mark.parametrize(

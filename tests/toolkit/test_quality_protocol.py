@@ -67,9 +67,9 @@ def test_specs_of_each_view():
     assert P.run_spec("adamw", "fair", lr=3e-3, regular_lr=3e-3) == P.run_spec("adamw", "paper", lr=0) == \
         "adamw:scale=1"
     assert P.run_spec("adamw", "fair", lr=1e-2, regular_lr=3e-3) == "adamw:scale=1:regular_lr=0.003"
-    assert P.run_spec("gwt-adamw", "fair", lr=1, regular_lr=2, gwt_options="compile=false") == \
-        "gwt-adamw:scale=1:regular_lr=2:compile=false"
-    assert P.run_spec("muon", "fair", lr=1, regular_lr=2, gwt_options="compile=false") == "muon:scale=1:regular_lr=2"
+    assert P.run_spec("gwt-adamw", "fair", lr=1, regular_lr=2, gwt_options="backend=eager") == \
+        "gwt-adamw:scale=1:regular_lr=2:backend=eager"
+    assert P.run_spec("muon", "fair", lr=1, regular_lr=2, gwt_options="backend=eager") == "muon:scale=1:regular_lr=2"
     # the library default (detail_clip 0.5) and the paper's update at each level and eps
     assert P.regime_specs([1, 2], ["1e-8", "1e-6"]) == [
         "gwt-adamw:level=1", "gwt-adamw:level=1:detail_clip=none", "gwt-adamw:level=1:detail_clip=none:eps=1e-6",
@@ -205,11 +205,11 @@ def test_plot_only_redraws_from_json(tmp_path):
 
 
 def test_gwt_options_go_only_where_the_registry_takes_them():
-    assert P.run_spec("gwt-adamw:level=2", "fair", lr=1, regular_lr=2, gwt_options="compile=false").endswith(
-        ":compile=false")
-    if not P.accepts("gwt-muon", "compile"):
-        assert "compile" not in P.run_spec("gwt-muon:level=2", "fair", lr=1, regular_lr=2,
-                                           gwt_options="compile=false")
+    assert P.run_spec("gwt-adamw:level=2", "fair", lr=1, regular_lr=2, gwt_options="backend=eager").endswith(
+        ":backend=eager")
+    if not P.accepts("gwt-muon", "backend"):
+        assert "backend" not in P.run_spec("gwt-muon:level=2", "fair", lr=1, regular_lr=2,
+                                           gwt_options="backend=eager")
 
 
 def test_same_config_ignores_the_folder_and_fields_a_run_predates():

@@ -62,7 +62,7 @@ def test_every_entry_builds_with_its_declared_defaults():
 
 def test_gwt_options_reach_the_groups():
     model = _model()
-    opt = _build("gwt-adamw:level=3:detail_clip=0.5:compile=false:eps=1e-6", model, lr=1e-3)
+    opt = _build("gwt-adamw:level=3:detail_clip=0.5:backend=eager:eps=1e-6", model, lr=1e-3)
     gwt = next(g for g in opt.param_groups if g["level"] > 0)
     assert (gwt["level"], gwt["detail_clip"], gwt["eps"]) == (3, 0.5, 1e-6)
     assert opt._backend == "eager"

@@ -51,8 +51,8 @@ class GWTOptimizer(Optimizer):
     """Base class of the GWT optimizers: a family sets :attr:`_family`,
     implements :meth:`_init_family_state`, :meth:`_moments` and
     :meth:`_apply`, and may override the other hooks below. ``impl``: the
-    closed-form Haar transform (``"fast"``) or the literal one; ``backend``
-    (``compile``, its deprecated alias): see ``GWTAdamW``, which has kernels."""
+    closed-form Haar transform (``"fast"``) or the literal one; ``backend``:
+    see ``GWTAdamW``, which has kernels."""
 
     #: The family's name in messages and in saved state dicts.
     _family = "GWTOptimizer"
@@ -65,7 +65,7 @@ class GWTOptimizer(Optimizer):
     _KERNELS: type | None = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], *,
-                 impl: str = "fast", backend: str = "auto", compile: bool | str | None = None,
+                 impl: str = "fast", backend: str = "auto",
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None) -> None:
         if impl not in IMPLEMENTATIONS:
@@ -78,7 +78,7 @@ class GWTOptimizer(Optimizer):
         base.update(maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                     fused=fused)
         self._impl = impl
-        self._backend, self._strict = backend_option(backend, compile)
+        self._backend, self._strict = backend_option(backend)
         params = params if isinstance(params, Tensor) else list(params)  # a generator can be read once
         # A request for the eager loop must be taken before the kernels are built (a request for the
         # kernels is taken as each group is checked); the first group that asks decides (the rest must agree).

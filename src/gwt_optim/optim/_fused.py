@@ -118,27 +118,13 @@ BACKENDS: dict[str, Callable[[], Any]] = {"native": NativeBackend, "triton": _tr
 BACKEND_OPTIONS = ("auto", "eager", "native", "triton")
 
 
-def backend_option(backend: str, compile: bool | str | None) -> tuple[str, bool]:
+def backend_option(backend: str) -> tuple[str, bool]:
     """The ``backend=`` option as ``(name, strict)``, ``strict`` meaning that
     a backend that fails to build is an error rather than a warning and the
-    eager path. ``compile=`` (``None``, ``True``, ``False``, or a name) is its
-    deprecated alias, kept for one release."""
-    if compile is None:
-        if backend not in BACKEND_OPTIONS:
-            raise ValueError(f"backend must be one of {BACKEND_OPTIONS}, got {backend!r}")
-        return backend, backend in BACKENDS
-    if compile == "inductor":
-        raise ValueError('compile="inductor" was removed: on CUDA the Triton backend ("triton", the default) '
-                         "replaces it")
-    if not (isinstance(compile, bool) or compile in BACKENDS):
-        raise ValueError(f"compile must be None (auto), True, False or one of {sorted(BACKENDS)}, got {compile!r}")
-    if backend != "auto":
-        raise ValueError(f"pass backend={backend!r} alone: compile= is its deprecated alias")
-    name = "eager" if compile is False else "auto" if compile is True else compile
-    warnings.warn(f"compile={compile!r} is deprecated: pass backend={name!r}"
-                  + (" (compile=True also made a failed kernel build an error)" if compile is True else ""),
-                  DeprecationWarning, stacklevel=4)
-    return name, compile is not False
+    eager path."""
+    if backend not in BACKEND_OPTIONS:
+        raise ValueError(f"backend must be one of {BACKEND_OPTIONS}, got {backend!r}")
+    return backend, backend in BACKENDS
 
 
 class Kernels:

@@ -43,7 +43,7 @@ class GWTAdafactor(GWTOptimizer):
             False steps by ``lr`` directly.
         detail_norm: ``"clip"`` (default, the reference implementation's) or
             ``"second_moment"``; see the module docstring.
-        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend, compile:
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend:
             as :class:`~gwt_optim.optim.GWTAdamW`. The limiter is off by
             default: update clipping already bounds the step.
     """
@@ -70,7 +70,6 @@ class GWTAdafactor(GWTOptimizer):
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
-        compile: bool | str | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -82,7 +81,7 @@ class GWTAdafactor(GWTOptimizer):
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             beta1=beta1, relative_step=relative_step, detail_norm=detail_norm, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+        super().__init__(params, defaults, impl=impl, backend=backend, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_family(self, g: dict[str, Any]) -> None:

@@ -63,7 +63,7 @@ class GWTAdamMini(GWTOptimizer):
         weight_decay: decoupled weight decay (default 0).
         block: default block kind for groups that do not set one ("neuron").
         head_dim: rows per head for ``"head"`` blocks.
-        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend, compile:
+        level, wavelet, scale, norm_growth_limit, moment_dtype, impl, backend:
             as :class:`~gwt_optim.optim.GWTAdamW`.
     """
 
@@ -87,7 +87,6 @@ class GWTAdamMini(GWTOptimizer):
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
-        compile: bool | str | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -99,7 +98,7 @@ class GWTAdamMini(GWTOptimizer):
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             moment_dtype=moment_dtype, block=block, head_dim=head_dim,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+        super().__init__(params, defaults, impl=impl, backend=backend, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:

@@ -58,9 +58,6 @@ class GWTAdamW(GWTOptimizer):
             otherwise the eager path, with one warning; ``"eager"`` always
             runs the family's functional halves; ``"native"`` or ``"triton"``
             forces that backend (a build failure is an error).
-        compile: the deprecated alias of ``backend`` (``None``: auto,
-            ``False``: eager, ``True``: auto with a build failure an error,
-            or a backend name).
     """
 
     _family = "GWTAdamW"
@@ -84,7 +81,6 @@ class GWTAdamW(GWTOptimizer):
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
-        compile: bool | str | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -96,7 +92,7 @@ class GWTAdamW(GWTOptimizer):
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
             detail_clip=detail_clip, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+        super().__init__(params, defaults, impl=impl, backend=backend, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_family(self, g: dict[str, Any]) -> None:

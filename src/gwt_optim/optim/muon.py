@@ -77,7 +77,6 @@ class GWTMuon(GWTOptimizer):
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
-        compile: bool | str | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -90,7 +89,7 @@ class GWTMuon(GWTOptimizer):
             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps, ns_dtype=ns_dtype,
             adjust_lr_fn=adjust_lr_fn, betas=betas, eps=eps, use_muon=use_muon, moment_dtype=moment_dtype,
         )
-        super().__init__(params, defaults, impl=impl, backend=backend, compile=compile, maximize=maximize,
+        super().__init__(params, defaults, impl=impl, backend=backend, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_param(self, p: Tensor, group: dict[str, Any], where: str) -> None:

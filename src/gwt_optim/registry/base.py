@@ -139,7 +139,7 @@ def _convert(value: str) -> Any:
 def _check_type(name: str, key: str, value: Any, default: Any) -> None:
     """Reject a value whose kind cannot be what the option's default is."""
     if default is None or value is None:
-        return  # options whose default is None take several kinds (compile=true|native, backend=..., ...)
+        return  # options whose default is None take several kinds (moment_dtype=bfloat16|int8, ...)
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         kind = "true or false"
@@ -339,7 +339,7 @@ def _gwt_adamw_options() -> dict[str, Any]:
     # ``detail_clip_end``: the clip anneals to it over training (train.DetailClipAnneal), a
     # zero-state remedy candidate of issue 18; None keeps the clip constant.
     return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "backend": None,
-            "compile": None, "detail_clip_end": None}
+            "detail_clip_end": None}
 
 
 @register(
@@ -363,7 +363,6 @@ def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     opt = GWTAdamW(
         list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), backend=cfg.pop("backend") or "auto",
-        compile=cfg.pop("compile"),
     )
     if end is not None:
         if not any(g.get("level") and g.get("detail_clip") is not None for g in opt.param_groups):

@@ -23,7 +23,7 @@ def _given(cfg: OptimizerConfig, keys: tuple[str, ...]) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-_MUON_KEYS = ("momentum", "nesterov", "ns_dtype", "ns_steps", "impl", "moment_dtype", "backend", "compile")
+_MUON_KEYS = ("momentum", "nesterov", "ns_dtype", "ns_steps", "impl", "moment_dtype", "backend")
 
 
 @register(
@@ -88,7 +88,7 @@ def _attention_dims(model: nn.Module, cfg: OptimizerConfig) -> tuple[int, int]:
     "gwt-adam-mini",
     help="GWT-Adam-mini: first moment on Haar approximation coefficients, one second moment per block "
     "(level, wavelet, norm_growth_limit, detail_clip, dim, n_heads)",
-    options={**GWT_OPTIONS, "dim": None, "n_heads": None, "backend": None, "compile": None},
+    options={**GWT_OPTIONS, "dim": None, "n_heads": None, "backend": None},
 )
 def _gwt_adam_mini(model: nn.Module, cfg: OptimizerConfig):
     from gwt_optim.groups import split_params
@@ -113,12 +113,11 @@ def _gwt_adam_mini(model: nn.Module, cfg: OptimizerConfig):
         },
         regular_options=cfg.regular_options(eps=False) or None,
     )
-    kwargs = _given(cfg, ("impl", "moment_dtype", "backend", "compile"))
+    kwargs = _given(cfg, ("impl", "moment_dtype", "backend"))
     return GWTAdamMini(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kwargs)
 
 
-_ADAFACTOR_KEYS = ("beta1", "detail_norm", "relative_step", "d", "beta2_decay", "impl", "moment_dtype", "backend",
-                   "compile")
+_ADAFACTOR_KEYS = ("beta1", "detail_norm", "relative_step", "d", "beta2_decay", "impl", "moment_dtype", "backend")
 
 
 @register(
