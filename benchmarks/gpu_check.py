@@ -405,23 +405,23 @@ def run_older(device: str = "cuda") -> tuple[list[tuple[str, float, float, str]]
 
     reference, _ = run(level=2, impl="reference")
     t0 = time.perf_counter()
-    fused, opt = run(level=2, backend="triton")
+    fused, opt = run(level=2, fused=True)
     compile_s = time.perf_counter() - t0
     backends = sorted(opt._kernels._backends) if opt._kernels else []
     record(f"fused ({'+'.join(backends) or 'none'}) == reference, level 2", rel(fused, reference), 1e-4)
     eager, _ = run(level=2, backend="eager")
     record("eager fast == reference, level 2", rel(eager, reference), 1e-4)
     for level in (1, 3):
-        a, _ = run(level=level, backend="triton")
+        a, _ = run(level=level, fused=True)
         b, _ = run(level=level, impl="reference")
         record(f"fused == reference, level {level}", rel(a, b), 1e-4)
-    bf16, _ = run(torch.bfloat16, level=2, backend="triton")
+    bf16, _ = run(torch.bfloat16, level=2, fused=True)
     fp32, _ = run(grad_dtype=torch.bfloat16, level=2, impl="reference")
     record("bf16 params (fp32 moments) vs fp32 on the same gradients", rel(bf16, fp32), 2e-2)
 
     # No recompilation after the first step, with lr and bias corrections changing.
     params = [torch.nn.Parameter(w.clone()) for w in W0]
-    opt = GWTAdamW(params, lr=1e-2, level=2, backend="triton")
+    opt = GWTAdamW(params, lr=1e-2, level=2, fused=True)
     try:
         for t, gs in enumerate(grads):
             for p, g in zip(params, gs):
