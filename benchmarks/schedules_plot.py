@@ -14,18 +14,14 @@ better (the 95% t interval not wholly above +0.02).
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer_plot import T975, environment  # noqa: E402  (one t table, one environment line)
+from _paired import ROOT, T975, TOKENS_PER_STEP, environment, gaps, pyplot, save, zero_line  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
            ROOT / "docs/results/schedules-cpu/records"]
-TOKENS_PER_STEP = 8192
 STEPS = "tokens8192-steps1953"
 SETTINGS = {  # label: the setting's folder under report/ (benchmarks/_protocol.folder_suffix)
     "pysrc, cosine": STEPS,
@@ -33,51 +29,12 @@ SETTINGS = {  # label: the setting's folder under report/ (benchmarks/_protocol.
     "linux-c, cosine": f"{STEPS}-data-linux-c",
     "linux-c, WSD (1-sqrt, last 20%)": f"{STEPS}-wsd0.2-1-sqrt-data-linux-c",
 }
-ADAMW = "adamw-beta20.999-scale1-regular-lr0.003-lr0.002"
 CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
     "GWT-AdamW as shipped (α 2, clip 0.5)": "gwt-adamw-level2-scale2-beta20.999-regular-lr0.003-lr0.002",
     "C1: clip 0.25 at the peak, 0.5 at the floor": "gwt-adamw-level2-scale2-detail-clip0.25-detail-clip-end0.5-"
                                                    "beta20.999-regular-lr0.003-lr0.002",
 }
 BAR_MEAN, BAR_SEED = 0.02, 0.05
-
-
-def curve(run: Path) -> dict[int, float]:
-    """step -> validation loss of one run, from its record or its live metrics."""
-    if (run / "metrics.jsonl.gz").exists():
-        with gzip.open(run / "metrics.jsonl.gz", "rt") as f:
-            rows = [json.loads(line) for line in f]
-    else:
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
-
-
-def find(folders: list[Path], setting: str, seed: int, name: str) -> tuple[Path, bool] | None:
-    """The run's folder and whether it finished: a record or a finished live run first, else a live partial."""
-    partial = None
-    for base in folders:
-        for run in (base / "report" / setting / f"seed{seed}" / name,
-                    base / "report" / "runs" / setting / f"seed{seed}" / name):
-            if (run / "summary.json").exists():
-                return run, True
-            if partial is None and (run / "metrics.jsonl").exists():
-                partial = (run, False)
-    return partial
-
-
-def gaps(folders: list[Path], setting: str, name: str) -> tuple[dict[int, dict[int, float]], bool]:
-    """step -> {seed: contender - AdamW} over the seeds with both runs, and whether any run is partial."""
-    out: dict[int, dict[int, float]] = {}
-    partial = False
-    for seed in range(1, 9):
-        mine, base = find(folders, setting, seed, name), find(folders, setting, seed, ADAMW)
-        if mine is None or base is None:
-            continue
-        partial |= not (mine[1] and base[1])
-        c, a = curve(mine[0]), curve(base[0])
-        for step in sorted(set(c) & set(a)):
-            out.setdefault(step, {})[seed] = c[step] - a[step]
-    return out, partial
 
 
 def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
@@ -132,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{sum(v) / len(v):+.3f}; {max(v):+.3f} (n={len(v)})" if v else "")
             print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, schedule in zip(axes, ("cosine", "WSD")):
             for (s, c), (g, partial) in found.items():
                 if schedule not in s or not g:
@@ -148,18 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                         marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
                         label=f"{s.split(',')[0]}: {c.split(':')[0]} ({seeds} seed{'s' if seeds > 1 else ''}"
                               f"{', partial' if partial else ''})")
-            ax.axhline(0, color="black", linewidth=0.8)
+            zero_line(ax, legend_size=7)
             for y in (BAR_MEAN, BAR_SEED):
                 ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
             ax.set_title(f"under the {schedule}")
-            ax.set_xlabel("training tokens (millions)")
-            ax.legend(fontsize=7)
         axes[0].set_ylabel("validation loss − AdamW's (paired, seed mean)")
         axes[0].set_ylim(-0.12, 0.15)
         fig.suptitle("llama_9m, 16M tokens, both at AdamW's (2e-3, 0)", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
-        print(f"\nwrote {a.plot}")
+        save(fig, a.plot)
     return 0
 
 

@@ -14,17 +14,14 @@ t interval and the largest gap behind along the run.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = "report/tokens8192-steps1953"
-TOKENS_PER_STEP = 8192
-ADAMW = "adamw-beta20.999-scale1-regular-lr0.003-lr0.002"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _paired import ADAMW, ROOT, T975, TOKENS_PER_STEP, environment, find, pyplot, save, zero_line  # noqa: E402
+from _paired import gaps as _gaps  # noqa: E402
+
+SETTING = "tokens8192-steps1953"
 CANDIDATES = {  # label: run directory name
     "default at its own best (6e-3, wd 0.1)": "gwt-adamw-level2-beta20.999-weight-decay0.1-scale1-regular-lr0.003-lr0.006",
     "α 2 = 2^(l/2) (scale=2), at AdamW's (2e-3, 0)": "gwt-adamw-level2-scale2-beta20.999-regular-lr0.003-lr0.002",
@@ -52,49 +49,29 @@ PAIRS = [  # (what, run, the run it is paired with)
     ("GWT-AdamW l=1, α 1.414, at AdamW's (2e-3, 0) − AdamW", LEVEL1, ADAMW),
     ("GWT-AdamW l=3, α 2.828, at AdamW's (2e-3, 0) − AdamW", LEVEL3, ADAMW),
 ]
-# Two-sided 95% quantiles of Student's t by degrees of freedom.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records"]
 
 
-def curve(run: Path) -> dict[int, tuple[int, float]]:
-    """step -> (tokens, validation loss) of one run (8,192 tokens per step, as the study's setting)."""
-    with gzip.open(run / "metrics.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: (r["step"] * TOKENS_PER_STEP, r["val_loss"]) for r in rows if "val_loss" in r}
+def finished(name: str, seed: int) -> bool:
+    run = find(RECORDS, SETTING, seed, name)
+    return run is not None and run[1]
 
 
-def find(name: str, seed: int) -> Path | None:
-    for records in RECORDS:
-        run = records / RUNS / f"seed{seed}" / name
-        if (run / "summary.json").exists():
-            return run
-    return None
-
-
-def gaps(name: str, seeds=range(1, 5), against: str = ADAMW) -> dict[int, list[tuple[int, float]]]:
-    """step -> [(tokens, candidate - reference) per seed that has both finished runs]."""
-    out: dict[int, list[tuple[int, float]]] = {}
-    for seed in seeds:
-        mine, base = find(name, seed), find(against, seed)
-        if mine is None or base is None:
-            continue
-        c, a = curve(mine), curve(base)
-        for step in sorted(set(c) & set(a)):
-            out.setdefault(step, []).append((c[step][0], c[step][1] - a[step][1]))
-    return out
+def gaps(name: str, seeds=range(1, 5), against: str = ADAMW) -> dict[int, dict[int, float]]:
+    """step -> {seed: candidate - reference} over the seeds that have both finished runs."""
+    return _gaps(RECORDS, SETTING, name, against=against, seeds=seeds, finished=True)[0]
 
 
 def paired_rows() -> list[str]:
     """The markdown rows of :data:`PAIRS` at the end of the run (the pairs with no seed finished are left out)."""
     rows = []
     for what, name, against in PAIRS:
-        seeds = [s for s in range(1, 5) if find(name, s) and find(against, s)]
+        seeds = [s for s in range(1, 5) if finished(name, s) and finished(against, s)]
         if not seeds:
             continue
         g = gaps(name, seeds, against)
         last = max(g)
-        d = [x for _, x in g[last]]
+        d = list(g[last].values())
         n, m = len(d), sum(d) / len(d)
         ci = ""
         if n > 1:
@@ -103,22 +80,13 @@ def paired_rows() -> list[str]:
             ci = f" ± {h:.3f} ({m - h:+.3f} to {m + h:+.3f})"
         # after the warm-up (the first 10% of the steps), where the curves still fall by nats per evaluation
         after = {step: v for step, v in g.items() if step > 0.1 * last}
-        means = {step: sum(x for _, x in v) / len(v) for step, v in after.items() if len(v) == n}
+        means = {step: sum(v.values()) / len(v) for step, v in after.items() if len(v) == n}
         worst_mean = max(means, key=means.get)
-        worst_seed = max((x, t) for v in after.values() for t, x in v)
+        worst_seed = max((x, step * TOKENS_PER_STEP) for step, v in after.items() for x in v.values())
         rows.append(f"| {what} | {', '.join(f'{x:+.3f}' for x in d)} | {m:+.3f}{ci} (n={n}) | "
-                    f"{means[worst_mean]:+.3f} at {g[worst_mean][0][0] / 1e6:.1f}M | "
+                    f"{means[worst_mean]:+.3f} at {worst_mean * TOKENS_PER_STEP / 1e6:.1f}M | "
                     f"{worst_seed[0]:+.3f} at {worst_seed[1] / 1e6:.1f}M |")
     return rows
-
-
-def environment() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return f"commit {commit}, python {platform.python_version()}, {platform.machine()} (reads records only)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| tokens | " + " | ".join(f"{label} (n)" for label in table) + " |")
     print("|---:|" + "---:|" * len(table))
     for step in steps:
-        tokens = next(t for g in table.values() for t, _ in g.get(step, []))
+        tokens = step * TOKENS_PER_STEP
         cells = []
         for g in table.values():
-            d = [x for _, x in g.get(step, [])]
+            d = list(g.get(step, {}).values())
             cells.append(f"{sum(d) / len(d):+.3f} ({len(d)})" if d else "")
         print(f"| {tokens / 1e6:.1f}M | " + " | ".join(cells) + " |")
     print("\n# At the end (16M tokens), paired by reporting seed\n")
@@ -142,28 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|")
     print("\n".join(paired_rows()))
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = pyplot().subplots(figsize=(8, 4.5))
         for label, g in table.items():
             if not g:
                 continue
             seeds = max(len(v) for v in g.values())
             xs = sorted(g)
-            ax.plot([g[s][0][0] / 1e6 for s in xs], [sum(d for _, d in g[s]) / len(g[s]) for s in xs],
+            ax.plot([s * TOKENS_PER_STEP / 1e6 for s in xs], [sum(g[s].values()) / len(g[s]) for s in xs],
                     marker="o", markersize=3, label=f"{label}, {seeds} seed{'s' if seeds > 1 else ''}")
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_xlabel("training tokens (millions)")
         ax.set_ylabel("validation loss − AdamW's (paired, mean)")
         ax.set_title("llama_9m on pysrc, 16M tokens: GWT-AdamW l=2 against AdamW at (2e-3, 0)")
         ax.set_ylim(-0.15, 0.25)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
-        print(f"\nwrote {a.plot}")
+        zero_line(ax, legend_size=8)
+        save(fig, a.plot)
     return 0
 
 
