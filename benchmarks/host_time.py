@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from step import SMOLLM2_135M, environment, llama_shapes  # noqa: E402
 
 from gwt_optim import GWTAdamW  # noqa: E402
-from gwt_optim.optim import _fused  # noqa: E402
+from gwt_optim.optim import _dispatch  # noqa: E402
 from gwt_optim.optim import _triton  # noqa: E402
 
 LAUNCHES = ("_launch_phase1", "_launch_limiter", "_launch_phase2")
@@ -137,7 +137,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     counts = count_launches(run=cuda)
     if not cuda:
-        _fused.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True)
+        _dispatch.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True)
     mocked = "" if cuda else ", launches mocked"
 
     print(f"<!-- {environment()} -->")

@@ -312,7 +312,7 @@ def _backend_note():
     try:
         import torch
         import gwt_optim
-        from gwt_optim.optim._backends import choose
+        from gwt_optim.optim._dispatch import choose
 
         w = torch.nn.Parameter(torch.randn(10, 8))
         w.grad = torch.randn_like(w)

@@ -63,7 +63,7 @@ def _run(out: dict, name: str, make: Callable, shapes, dtype=torch.float32, step
 
 def record(path: str) -> int:
     from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
-    from gwt_optim.optim import _fused
+    from gwt_optim.optim import _dispatch
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def record(path: str) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         from gwt_optim.optim import _triton
 
-        _fused.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True, chunk=64)
+        _dispatch.BACKENDS["triton"] = lambda: _triton.TritonBackend(cpu=True, chunk=64)
         for level in (0, 2):
             for clip in (0.5, None):
                 for pm in (False, True):

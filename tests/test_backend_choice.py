@@ -2,7 +2,7 @@
 decide it (family, group options, weight and gradient dtype, level, moment
 dtype, detail clip, a sharded parameter, ``compile``, ``impl``, wavelet,
 shape), against the answers recorded before backend choice moved into one
-function over declared capabilities (now :func:`gwt_optim.optim._backends.choose`).
+function over declared capabilities (now :func:`gwt_optim.optim._dispatch.choose`).
 
 ``ANSWERS`` was written by this file's ``__main__`` from the commit before
 that change (``PYTHONPATH=OLD/src python tests/test_backend_choice.py``), one
@@ -92,18 +92,18 @@ def cases():
 
 
 def _triton_on_cpu(patch) -> None:
-    from gwt_optim.optim import _fused, _triton
+    from gwt_optim.optim import _dispatch, _triton
 
     for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
         patch(_triton, name, lambda *a, **k: None)
-    patch(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True), item=True)
+    patch(_dispatch.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True), item=True)
 
 
 def answers(select: bool = False):
     """(path, backend name, gradient dtype read, level) of each case, and,
     with ``select``, the Route that choose gives."""
     import gwt_optim
-    from gwt_optim.optim._backends import choose
+    from gwt_optim.optim._dispatch import choose
 
     opts: dict = {}
     gen = torch.Generator().manual_seed(0)
@@ -216,11 +216,12 @@ def _encode(found) -> tuple[dict, str]:
 @pytest.fixture
 def on_cpu_triton(monkeypatch):
     pytest.importorskip("gwt_optim.optim._triton", exc_type=ImportError)
-    from gwt_optim.optim import _fused
+    from gwt_optim import _toolchain
+    from gwt_optim.optim import _native
 
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable:
+        _native.native_library()
+    except _toolchain.KernelUnavailable:
         pytest.skip("no C compiler for the native kernels")
 
     def patch(obj, name, value, item=False):
@@ -246,18 +247,19 @@ def test_every_case_takes_the_backend_it_took_before(on_cpu_triton):
 
 
 def test_the_capability_table_is_what_the_kernels_take():
-    from gwt_optim.optim import _fused, _native
+    from gwt_optim import _toolchain
+    from gwt_optim.optim import _native, _torch_fused
     from gwt_optim.optim._backends import CAPABILITIES
 
     native = CAPABILITIES["native"]
     assert native.dtypes == {(w, w, _native._STATE_DTYPE[w]) for w in _native._DTYPE_SUFFIX}
     try:
-        backend = _fused.NativeBackend()
-    except _fused.KernelUnavailable:
+        backend = _native.NativeBackend()
+    except _toolchain.KernelUnavailable:
         pass
     else:  # the library's own bound on bf16 levels is the declared one
         assert backend.capabilities == native
-    assert _fused.FusedAdamWBackend.capabilities is CAPABILITIES["fused_adamw"]
+    assert _torch_fused.FusedAdamWBackend.capabilities is CAPABILITIES["fused_adamw"]
     _triton = pytest.importorskip("gwt_optim.optim._triton", exc_type=ImportError)
     triton = CAPABILITIES["triton"]
     assert triton.dtypes == {(w, g, m) for w in _triton._KIND for g in _triton._KIND for m in _triton._MOMENT_KINDS}
@@ -272,7 +274,7 @@ def test_choose_answers_once_per_bucket(monkeypatch):
     asks nothing again, another dtype or routing option does, and a failed
     backend makes every bucket ask again."""
     from gwt_optim import GWTAdamW
-    from gwt_optim.optim._backends import choose
+    from gwt_optim.optim._dispatch import choose
 
     params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(6, 16)),
               torch.nn.Parameter(torch.randn(6, 16).double())]
@@ -298,7 +300,7 @@ def test_choose_answers_once_per_bucket(monkeypatch):
 
 
 def test_candidates_per_backend_device_and_level():
-    from gwt_optim.optim._backends import candidates
+    from gwt_optim.optim._dispatch import candidates
 
     assert candidates("auto", "cuda", 2) == [("triton", True)]
     assert candidates("auto", "cuda", 0) == [("triton", False)]
@@ -338,7 +340,7 @@ if __name__ == "__main__":
     import warnings
 
     warnings.simplefilter("ignore")
-    from gwt_optim.optim import _fused  # noqa: F401
+    from gwt_optim.optim import _dispatch  # noqa: F401
 
     def _patch(obj, name, value, item=False):
         if item:

@@ -1,4 +1,4 @@
-"""The fused GWT-AdamW kernels (gwt_optim.optim._fused) against the update's
+"""The fused GWT-AdamW kernels (gwt_optim.optim._dispatch picks them) against the update's
 one statement, gwt_optim.optim.functional.gwt_adamw (tests/functional_runs.py
 runs it): the native C kernels on CPU in float64 (to 1e-12) and float32 (their
 SIMD code), the deferred phase 2 that FSDP2 uses, and the ``backend``
@@ -14,13 +14,14 @@ import torch
 
 import functional_runs as runs
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused, _native, _stepper
+from gwt_optim import _toolchain
+from gwt_optim.optim import _native, _stepper
 
 
 def _native_or_skip():
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable as exc:
+        _native.native_library()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 
@@ -56,9 +57,9 @@ def count_fused(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(_fused.NativeBackend, "phase2", counting(_fused.NativeBackend.phase2, lambda args: 1))
-    monkeypatch.setattr(_fused.NativeBackend, "step_buckets", counting(
-        _fused.NativeBackend.step_buckets, lambda args: sum(len(b.params) for b in args[0])))
+    monkeypatch.setattr(_native.NativeBackend, "phase2", counting(_native.NativeBackend.phase2, lambda args: 1))
+    monkeypatch.setattr(_native.NativeBackend, "step_buckets", counting(
+        _native.NativeBackend.step_buckets, lambda args: sum(len(b.params) for b in args[0])))
     return calls
 
 
@@ -291,7 +292,7 @@ def test_native_bfloat16_level0_vectors_beside_matrices(scale, count_fused):
 
 def test_native_bfloat16_skips_nonfinite_and_bounds_the_level():
     _native_or_skip()
-    backend = _fused.NativeBackend()
+    backend = _native.NativeBackend()
     w = torch.zeros(4, 8192, dtype=torch.bfloat16)
     group = {"detail_clip": None, "moment_dtype": None}
 
@@ -333,8 +334,8 @@ def test_two_phase_and_deferred_paths_match_the_batch(monkeypatch, level, scale)
         m.load_state_dict(model.state_dict())
         opt = GWTAdamW(m.parameters(), lr=3e-3, level=level, scale=scale, backend="native")
         with monkeypatch.context() as mp:
-            caps = _fused.NativeBackend.capabilities
-            mp.setattr(_fused.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
+            caps = _native.NativeBackend.capabilities
+            mp.setattr(_native.NativeBackend, "capabilities", dataclasses.replace(caps, batched=batched))
             if defer:
                 mp.setattr(_stepper, "_needs_collective", lambda ps: True)
             for _ in range(4):
@@ -389,7 +390,7 @@ def test_the_eager_backend_never_builds_kernels(monkeypatch, count_fused):
 
 def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monkeypatch):
     def no_compiler():
-        raise _fused.KernelUnavailable("no C compiler (test)")
+        raise _toolchain.KernelUnavailable("no C compiler (test)")
 
     monkeypatch.setattr(_native, "native_library", no_compiler)
     W0, grads = _problem((4, 16), 3, torch.float32)
@@ -398,5 +399,5 @@ def test_missing_compiler_warns_once_in_auto_mode_and_raises_when_required(monke
     assert len(record) == 1  # once per optimizer, not per step or parameter
     eager, _ = _run(W0, grads, lr=1e-2, backend="eager")
     assert torch.equal(auto, eager)
-    with pytest.raises(_fused.KernelUnavailable, match="no C compiler"):
+    with pytest.raises(_toolchain.KernelUnavailable, match="no C compiler"):
         _run(W0, grads, backend="native")

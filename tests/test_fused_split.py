@@ -1,11 +1,12 @@
-"""The seams of the fused kernels' modules (issue 17, item 3).
+"""The seams of the fused kernels' modules (issue 17, item 3; issue 55).
 
 ``gwt_optim._toolchain`` builds, caches and loads a C library and knows nothing
-of what it computes; ``_native`` is the ctypes backend over ``_fused_cpu.c``;
-``_fused`` is the protocol, torch's level-0 kernel and ``Kernels`` (the built
-and failed backends), the facade the optimizers and tests import; the choice of
-a backend is ``_backends.choose``. The lower modules never import the
-higher ones. ``_family`` holds what the family modules share.
+of what it computes; ``_backends`` holds what the backends share with their
+caller (capabilities, the protocol, buckets, the pointer check); the backends
+(``_torch_fused``, ``_native`` over ``_fused_cpu.c``, ``_triton``) import only
+it; ``_dispatch`` alone builds them and picks one per parameter. The lower
+modules never import the higher ones. ``_family`` holds what the family
+modules share.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 import gwt_optim
 from gwt_optim import GWTMuon
 from gwt_optim import _toolchain
-from gwt_optim.optim import _family, _fused, _native
+from gwt_optim.optim import _backends, _dispatch, _family, _native, _torch_fused
 
-OPTIM = Path(_fused.__file__).parent
+OPTIM = Path(_dispatch.__file__).parent
 
 
 def _imported(module: str, folder: Path = OPTIM) -> set[str]:
@@ -46,24 +47,35 @@ def test_the_lower_modules_do_not_import_the_higher_ones():
     # The build toolchain sits beside the cache rule, below the optimizers (as torch.utils.cpp_extension).
     toolchain = _imported("_toolchain", OPTIM.parent)
     assert toolchain == {"gwt_optim", "gwt_optim._cache"}  # only the one cache rule
-    native = _imported("_native")
-    assert not any("_fused" in name for name in native), native
-    assert "gwt_optim._toolchain" in native
+    assert "gwt_optim._toolchain" in _imported("_native")
     assert _imported("_family") == set()  # the families import it; it imports none of them
     # The updates' one statement stands on the transform alone: no optimizer, no backend.
     assert _imported("functional") == {"gwt_optim", "gwt_optim.wavelets"}
 
 
-def test_fused_is_the_facade_the_optimizers_and_tests_use():
-    # One object under both names: a monkeypatch on _native reaches the backend.
-    assert _fused.native_library is _native.native_library
-    assert _fused.NativeBackend is _native.NativeBackend
-    assert _fused.KernelUnavailable is _toolchain.KernelUnavailable
-    assert _fused.BACKENDS["native"] is _native.NativeBackend
-    for name in ("backend_option", "all_finite", "FusedBackend", "Kernels"):
-        assert callable(getattr(_fused, name)), name
-    for name in _fused.__all__:
-        assert hasattr(_fused, name), name
+def _optim_modules(names: set[str]) -> set[str]:
+    """The modules of gwt_optim.optim among an _imported set."""
+    return {n.split(".")[2] for n in names if n.startswith("gwt_optim.optim.")} & {p.stem for p in OPTIM.glob("*.py")}
+
+
+BACKEND_MODULES = ("_torch_fused", "_native", "_triton")
+
+
+def test_the_backends_import_the_shared_types_only_and_the_dispatcher_alone_imports_them():
+    # A backend knows the shared types and the update's scalars, never the dispatcher nor another backend.
+    for backend in BACKEND_MODULES:
+        assert _optim_modules(_imported(backend)) <= {"_backends", "functional"}, backend
+    # The shared types import no backend and no dispatcher: the backends and the dispatcher stand on them.
+    assert _optim_modules(_imported("_backends")) == {"_family", "functional"}
+    importers = {p.stem for p in OPTIM.glob("*.py")
+                 if p.stem not in BACKEND_MODULES and _optim_modules(_imported(p.stem)) & set(BACKEND_MODULES)}
+    assert importers == {"_dispatch"}
+    # The backends the dispatcher builds are the backend modules' classes, each declaring its
+    # entry of the one capability table.
+    assert _dispatch.BACKENDS["native"] is _native.NativeBackend
+    assert _native.NativeBackend.capabilities is _backends.CAPABILITIES["native"]
+    assert _torch_fused.FusedAdamWBackend.capabilities is _backends.CAPABILITIES["fused_adamw"]
+    assert set(_backends.CAPABILITIES) == {"fused_adamw", *_dispatch.BACKENDS}
 
 
 def test_native_library_is_the_toolchain_with_the_kernels_interface(monkeypatch):
@@ -163,7 +175,7 @@ def test_importing_the_package_builds_and_imports_no_backend():
     import sys
 
     code = (
-        "import sys, gwt_optim, gwt_optim.optim._fused as f\n"
+        "import sys, gwt_optim, gwt_optim.optim._native as f\n"
         "assert 'triton' not in sys.modules, 'imported triton'\n"
         "assert f.native_library.cache_info().currsize == 0, 'built the kernels'\n"
     )

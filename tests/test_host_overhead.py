@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim import _toolchain
+from gwt_optim.optim import _dispatch, _native
 from gwt_optim.optim import _stepper
 
 
@@ -45,7 +46,7 @@ def mocked(monkeypatch):
 
     for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
         monkeypatch.setattr(_triton, name, launch)
-    monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
+    monkeypatch.setitem(_dispatch.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
     phase1 = _stepper.Stepper._phase1
 
     def counted(self, *args, **kwargs):
@@ -207,8 +208,8 @@ def test_an_fp32_weight_with_bf16_gradients(mocked):
 
 def _native_or_skip():
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable as exc:
+        _native.native_library()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim import _toolchain
+from gwt_optim.optim import _native
 
 
 def _native_or_skip():
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable as exc:
+        _native.native_library()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 

@@ -19,7 +19,8 @@ import torch
 
 import functional_runs as runs
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
-from gwt_optim.optim import _fused
+from gwt_optim import _toolchain
+from gwt_optim.optim import _backends, _native
 
 FAMILIES = {
     "GWTAdamW": lambda p, **kw: GWTAdamW(p, lr=1e-2, **kw),
@@ -38,8 +39,8 @@ PATHS = {
 
 def _native_or_skip():
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable as exc:
+        _native.native_library()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
 
 
@@ -157,8 +158,8 @@ def test_state_problem_is_the_one_state_check():
 def _build_in(monkeypatch, directory) -> Path:
     monkeypatch.setenv("GWT_OPTIM_CACHE", str(directory))
     try:
-        lib = _fused.native_library.__wrapped__()
-    except _fused.KernelUnavailable as exc:
+        lib = _native.native_library.__wrapped__()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"no C compiler for the native kernels: {exc}")
     return Path(lib._name)
 
@@ -166,7 +167,7 @@ def _build_in(monkeypatch, directory) -> Path:
 def _build_in_child(directory: Path) -> Path:
     """Build in a child process: a library this process has loaded must not
     be rewritten under it (and dlopen would hand back the loaded copy)."""
-    script = "from gwt_optim.optim import _fused; print(_fused.native_library()._name)"
+    script = "from gwt_optim.optim import _native; print(_native.native_library()._name)"
     env = {**os.environ, "GWT_OPTIM_CACHE": str(directory)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "KernelUnavailable" in proc.stderr:
@@ -577,12 +578,12 @@ def test_families_use_the_hooks_not_the_private_phase():
 def test_the_fused_backend_protocol_is_a_typing_protocol():
     from typing import Protocol
 
-    assert Protocol in _fused.FusedBackend.__mro__
+    assert Protocol in _backends.FusedBackend.__mro__
     members = ("prepare", "phase1", "phase2", "step_buckets")
     for name in members:
-        assert callable(getattr(_fused.FusedBackend, name))
-        assert callable(getattr(_fused.NativeBackend, name))
-    assert _fused.NativeBackend.capabilities.batched is True
+        assert callable(getattr(_backends.FusedBackend, name))
+        assert callable(getattr(_native.NativeBackend, name))
+    assert _native.NativeBackend.capabilities.batched is True
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

@@ -1,4 +1,4 @@
-"""_backends.choose is the one place that decides where a parameter's step
+"""_dispatch.choose is the one place that decides where a parameter's step
 runs: this table lists each case (family, device, dtype, level, backend,
 moment dtype, 1-D, impl, wavelet) and the path and backend it takes, and
 checks that a step takes exactly that route.
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
-from gwt_optim.optim import _fused
-from gwt_optim.optim._backends import choose
+from gwt_optim import _toolchain
+from gwt_optim.optim import _dispatch, _native
+from gwt_optim.optim._dispatch import choose
 from gwt_optim.optim._sharded import is_dtensor, local
 from gwt_optim.optim._stepper import Stepper
 
@@ -30,10 +31,10 @@ PATHS = ("batched", "fused", "plain", "haar", "reference")
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 
-def _native() -> bool:
+def _native_built() -> bool:
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable:
+        _native.native_library()
+    except _toolchain.KernelUnavailable:
         return False
     return True
 
@@ -143,7 +144,7 @@ def _check(case, monkeypatch=None):
 
 @pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
 def test_route_table(case):
-    if case[-1][1] == "native" and not _native():
+    if case[-1][1] == "native" and not _native_built():
         pytest.skip("no C compiler for the native kernels")
     _check(case)
 
@@ -153,7 +154,7 @@ def triton_on_cpu(monkeypatch):
     _triton = pytest.importorskip("gwt_optim.optim._triton", exc_type=ImportError)
     for name in ("_launch_phase1", "_launch_limiter", "_launch_phase2"):
         monkeypatch.setattr(_triton, name, lambda *a, **k: None)
-    monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
+    monkeypatch.setitem(_dispatch.BACKENDS, "triton", lambda: _triton.TritonBackend(cpu=True))
 
 
 @pytest.mark.parametrize("case", CUDA_TABLE, ids=[c[0] for c in CUDA_TABLE])

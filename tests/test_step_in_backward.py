@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import join_group, launch
 from torch import nn
 
 import gwt_optim
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon, gwt_param_groups, step_in_backward
-from gwt_optim.optim import _fused
+from gwt_optim.optim import _native
 
 
 class Net(nn.Module):
@@ -90,7 +90,7 @@ def _gwt(cls, regular=None, **kw):
 
 def _native_available():
     try:
-        _fused.native_library()
+        _native.native_library()
         return True
     except Exception:
         return False
@@ -260,13 +260,13 @@ def test_backwards_over_disjoint_parameters_each_step_once():
         torch.testing.assert_close(p, q)
 
 
-def _distributed_worker(rank, store_path, out_dir):
+def _distributed_worker(rank, out_dir):
     torch.manual_seed(0)
     # Installed before the process group exists: the first backward must notice it.
     early = nn.Linear(6, 3)
     early_opt = torch.optim.SGD(early.parameters(), lr=0.1)
     step_in_backward(early_opt)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    join_group(rank, 2)
     try:
         x = torch.randn(4, 6) + rank
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
@@ -300,6 +300,5 @@ def _distributed_worker(rank, store_path, out_dir):
 def test_refuses_a_multi_process_group_unless_told_the_gradients_are_local(tmp_path):
     # DDP reduces a bucket after its parameters' hooks ran: stepping there
     # used each rank's local gradient (ranks drifted 7.7e-3 apart in 3 steps).
-    mp.start_processes(_distributed_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    launch(_distributed_worker, 2, tmp_path, str(tmp_path), group=False)
     assert {"ok0", "ok1"} <= set(os.listdir(tmp_path))

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
-from gwt_optim.optim import _fused
+from gwt_optim.optim import _dispatch
 
 CHILD = os.environ.get("GWT_CONTRACT_TRITON") == "1"
 
@@ -65,7 +65,7 @@ def _triton_on_cpu(monkeypatch):
     if CHILD:
         from gwt_optim.optim import _triton
 
-        monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _triton.TritonBackend(chunk=64, cpu=True))
+        monkeypatch.setitem(_dispatch.BACKENDS, "triton", lambda: _triton.TritonBackend(chunk=64, cpu=True))
 
 
 def _groups(family: str, params: list, level: int = 2) -> list[dict]:

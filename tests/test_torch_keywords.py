@@ -22,7 +22,8 @@ import torch
 
 import gwt_optim.optim
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim import _toolchain
+from gwt_optim.optim import _dispatch, _native
 from gwt_optim.optim._base import TORCH_KEYWORDS
 
 FAMILIES = [getattr(gwt_optim.optim, name) for name in gwt_optim.optim.__all__]
@@ -59,8 +60,8 @@ def _same(a, b):
 @pytest.fixture
 def native():
     try:
-        _fused.native_library()
-    except _fused.KernelUnavailable as exc:
+        _native.native_library()
+    except _toolchain.KernelUnavailable as exc:
         pytest.skip(f"GWT-AdamW's CPU kernels cannot be built here: {exc}")
 
 
@@ -166,9 +167,9 @@ def test_families_without_kernels_take_the_eager_loop_unchanged(cls):
 
 def _native_fails(monkeypatch):
     def fail():
-        raise _fused.KernelUnavailable("no C compiler (simulated)")
+        raise _toolchain.KernelUnavailable("no C compiler (simulated)")
 
-    monkeypatch.setitem(_fused.BACKENDS, "native", fail)
+    monkeypatch.setitem(_dispatch.BACKENDS, "native", fail)
 
 
 def test_fused_true_runs_the_kernels_and_a_failed_build_is_an_error(native, monkeypatch):
@@ -177,7 +178,7 @@ def test_fused_true_runs_the_kernels_and_a_failed_build_is_an_error(native, monk
     _, want = _train(lambda ps: GWTAdamW(ps, lr=1e-2))
     _same(got, want)
     _native_fails(monkeypatch)
-    with pytest.raises(_fused.KernelUnavailable, match="simulated"):
+    with pytest.raises(_toolchain.KernelUnavailable, match="simulated"):
         _train(lambda ps: GWTAdamW(ps, lr=1e-2, fused=True), steps=1)
     # Without the request: one warning, and the eager path.
     with pytest.warns(RuntimeWarning, match="using the eager path"):

@@ -28,7 +28,7 @@ import torch
 
 import functional_runs as runs
 from gwt_optim import GWTAdamW
-from gwt_optim.optim import _fused
+from gwt_optim.optim import _dispatch
 
 CHILD = os.environ.get("GWT_TRITON_CHILD") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -70,7 +70,7 @@ def tt(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(_TT, f"_launch_{kernel}", counted)
-    monkeypatch.setitem(_fused.BACKENDS, "triton", lambda: _TT.TritonBackend(chunk=64))
+    monkeypatch.setitem(_dispatch.BACKENDS, "triton", lambda: _TT.TritonBackend(chunk=64))
     _TT.launches = launches
     return _TT
 

@@ -1,15 +1,24 @@
-"""Where a parameter's step runs: what each fused backend declares it can do
-(:class:`Capabilities`), and :func:`choose`, the one function that picks a
-backend from those declarations, or says why none fits.
+"""What the fused backends share with their caller, and nothing that picks
+one: what each backend declares it takes (:class:`Capabilities`, one table),
+the protocol it follows (:class:`FusedBackend`), what a batched backend is
+handed (:class:`Bucket`, with the step's :func:`kernel_scalars`), the last
+check before a kernel reads raw addresses (:func:`check_pointers`), and the
+moment dtypes a group may ask for.
 
-This module imports torch, ``functional`` and ``_family``: the backends
-(``_fused``, ``_native``, ``_triton``) and the stepper import it.
+The backends (``_torch_fused``, ``_native``, ``_triton``) import this module
+and no other of ``optim`` but ``functional``; the dispatcher
+(:mod:`gwt_optim.optim._dispatch`), which picks a backend per parameter, and
+the stepper import them. The capability table sits here, not in each backend
+nor in the dispatcher: the dispatcher reads a backend's entry before that
+backend is built or imported (Triton's module needs triton), and each backend
+reads its own (Triton's level bound sizes its kernels), so it is below both.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 from torch import Tensor
@@ -17,8 +26,8 @@ from torch import Tensor
 from gwt_optim.optim._family import group_lr
 from gwt_optim.optim.functional import AdamWScalars, adamw_scalars
 
-__all__ = ["Bucket", "Capabilities", "Route", "CAPABILITIES", "MOMENT_DTYPES", "candidates", "choose",
-           "moment_dtype", "moment_dtype_name", "route_key", "check_pointers", "kernel_scalars"]
+__all__ = ["Bucket", "Capabilities", "CAPABILITIES", "FusedBackend", "MOMENT_DTYPES", "all_finite",
+           "check_pointers", "kernel_scalars", "moment_dtype", "moment_dtype_name"]
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 # moment_dtype names; "int8": blockwise 8-bit codes plus fp32 block scales (_quant), uint8 tensors.
@@ -75,7 +84,8 @@ class Capabilities:
         return None
 
 
-#: The backends' capabilities; each class's ``capabilities`` is its entry.
+#: What each backend takes; each backend class's ``capabilities`` is its entry (a built
+#: backend may adjust it: the native library's own bf16 bound, Triton's interpreter adds CPU).
 CAPABILITIES: dict[str, Capabilities] = {
     # torch._fused_adamw_ (level 0 on CPU): one dtype for weights, gradients and
     # moments. It walks flat memory, so a strided view or a gradient laid out
@@ -110,9 +120,6 @@ CAPABILITIES: dict[str, Capabilities] = {
         dtensor=True,
     ),
 }
-
-# The backends "auto" tries per device type for a transformed step.
-_AUTO = {"cpu": ("native",), "cuda": ("triton",)}
 
 
 @dataclass
@@ -150,94 +157,39 @@ def kernel_scalars(group: dict, step: int, alpha: float) -> AdamWScalars:
                          weight_decay=group["weight_decay"], alpha=alpha)
 
 
-@dataclass(frozen=True)
-class Route:
-    """:func:`choose`'s answer for one parameter."""
+class FusedBackend(Protocol):
+    """A fused backend of the Haar GWT-AdamW step. Nothing is asked of it but
+    its :attr:`capabilities` (its entry in :data:`CAPABILITIES`); each
+    parameter's state is checked (:func:`gwt_optim.optim._saved.state_problem`)
+    before it is handed over."""
 
-    backend: Any  # a built and prepared fused backend, or None: the family's eager halves
-    # The local gradient as the step reads it: in its own dtype where the
-    # backend takes that dtype, else in the compute dtype (at least fp32).
-    grad: Tensor
-    level: int  # the group's level; 0 for parameters with fewer than two dimensions
-    reason: str | None  # why no backend fits (None when one does)
+    name: str
+    capabilities: Capabilities
 
+    def prepare(self, w: Tensor, G: Tensor, moment_dtype: torch.dtype, level: int) -> None:
+        """Build or compile what this parameter needs, before any state changes."""
 
-def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool) -> Route:
-    """The fused backend that runs the step of weight ``w`` (local) with
-    gradient ``g`` in ``group``, or why none does: the one place that decides
-    it, from the parameter's bucket (the group's options, device, dtypes,
-    level and layout) and what each backend declares. The answer is kept per
-    bucket (``kernels.routes``, forgotten when a backend fails).
+    def step_buckets(self, buckets: list[Bucket], limiter_eps: float, table: dict | None = None) -> list | tuple:
+        """Whole steps of the parameters of ``buckets``; one with a non-finite
+        gradient keeps its weight and state. Returns the parameters so
+        skipped, or a tuple of running device counts of them (no host sync).
+        ``table``: a step plan's dict for this backend (see :class:`Bucket`),
+        where the backend keeps what it derives from these buckets; the plan
+        owns it and drops it with itself. None: not under a plan."""
 
-    ``kernels`` holds the family's backends under its ``backend=`` option
-    (:class:`gwt_optim.optim._fused.Kernels`; None: the family has none).
-    A kernel computes a transformed Haar step, or at level 0 the plain
-    family's (no limiter (``limited``), alpha 1, an unsharded tensor). The
-    :func:`candidates` are tried in order, with the gradient in its own dtype
-    (a backend that reads it takes it without a copy) and then in the compute
-    dtype; the first whose :meth:`Capabilities.refusal` is None and that
-    builds and prepares wins.
-    """
-    level = group["level"] if w.ndim >= 2 else 0
-    cdt = torch.promote_types(w.dtype, F32)
-    if kernels is None:
-        return Route(None, g.to(cdt), level, "the family has no fused kernels")
-    # Everything _choose reads of the parameter, its gradient and its group.
-    key = (route_key(group), w.device, w.dtype, g.device, g.dtype, min(w.ndim, 2), g.shape == w.shape,
-           w.is_contiguous(), g.is_contiguous(), sharded, limited)
-    known = kernels.routes.get(key)
-    if known is None:
-        known = kernels.routes[key] = _choose(kernels, group, w, g, sharded, limited, level, cdt)
-    backend, cast, reason = known
-    return Route(backend, g.to(cdt) if cast else g, level, reason)
+    def phase1(self, group: dict, state: dict, G: Tensor, level: int, step: int,
+               scalars: AdamWScalars) -> tuple[float | Tensor, Any]:
+        """Update the moments (a finite gradient); the limiter's ||U||^2 and a
+        carry, which holds ``scalars`` (the step's, :func:`kernel_scalars`) for phase 2."""
+
+    def phase2(self, w: Tensor, G: Tensor, level: int, carry: Any, r: float | Tensor) -> None:
+        """``w <- w * decay - step_size / r * delta`` (the carry's scalars), right after phase 1 or later."""
 
 
-def _choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool, level: int,
-            cdt: torch.dtype) -> tuple[Any, bool, str | None]:
-    """:func:`choose`'s answer as (backend, whether the gradient is cast, reason)."""
-    reason = kernels.refusal(group)
-    if reason is None and level > 0 and group["wavelet"] != "haar":
-        reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
-    if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or (w.ndim >= 2 and group["scale"] != 1)):
-        reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
-    if reason is not None:
-        return None, True, reason
-    md = moment_dtype(group, cdt)
-    names = candidates(kernels.backend, w.device.type, level)
-    refusals = [] if names else [f"no backend for level {level} on {w.device.type} under backend={kernels.backend!r}"]
-    cast = False
-    while True:
-        for name, last in names:
-            backend = kernels.get(name, last)
-            why = "unavailable (it failed to build)" if backend is None else \
-                backend.capabilities.refusal(w, g, md, level, group, sharded)
-            if why is None:
-                if kernels.prepare(backend, w, g, md, level, last):
-                    return backend, cast, None
-                why = "failed to compile for this parameter"
-            refusals.append(f"{name}: {why}")
-        if g.dtype == cdt:
-            return None, cast, "; ".join(refusals)
-        g, cast = g.to(cdt), True
-
-
-def candidates(backend: str, device_type: str, level: int) -> list[tuple[str, bool]]:
-    """The backends to try, in order, for a step at ``level`` on
-    ``device_type`` under the ``backend`` option (not "eager"), each with
-    whether it is the last choice (its failure to build or prepare is the
-    user's to see: a warning, or an error for a named backend).
-
-    Level 0 (plain AdamW: 1-D parameters, level-0 groups) takes
-    ``torch._fused_adamw_`` on CPU, then the native kernels (bf16 weights with
-    fp32 moments, which torch's kernel does not take), and the Triton kernels
-    elsewhere; a named backend without that device's level-0 step gives none.
-    A transformed step takes the named backend, or the device's."""
-    if level == 0:
-        if device_type == "cpu" and backend != "triton":
-            return [("fused_adamw", False)] + ([("native", False)] if backend in ("auto", "native") else [])
-        return [("triton", False)] if backend in ("auto", "triton") else []
-    names = _AUTO.get(device_type, ()) if backend == "auto" else (backend,)
-    return [(name, i == len(names) - 1) for i, name in enumerate(names)]
+def all_finite(tensors: list[Tensor]) -> list[bool]:
+    """Whether each tensor (one device and dtype) holds only finite values: one
+    foreach max-norm, read once (on a GPU, one wait instead of one each)."""
+    return torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().tolist()
 
 
 def moment_dtype_name(md: Any) -> Any:
@@ -254,13 +206,6 @@ def moment_dtype(group: dict, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the group's moments: its ``moment_dtype``, else the compute dtype."""
     md = group["moment_dtype"]
     return MOMENT_DTYPES[md] if md is not None else compute_dtype
-
-
-def route_key(group: dict) -> tuple:
-    """The group options that choose each parameter's backend and state,
-    rather than only a kernel's arguments: a change makes a new step plan."""
-    return (group["level"], group["wavelet"], group["moment_dtype"], group["scale"] == 1,
-            group["norm_growth_limit"] is None, group["detail_clip"] is None)
 
 
 def check_pointers(backend: str, w: Tensor, g: Tensor, state: dict | None, level: int,

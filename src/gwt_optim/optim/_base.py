@@ -24,8 +24,8 @@ from torch.optim.optimizer import Optimizer
 from gwt_optim import wavelets
 from gwt_optim.optim._advice import say_what_a_flat_list_does
 from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
+from gwt_optim.optim._dispatch import backend_option
 from gwt_optim.optim._family import Rule
-from gwt_optim.optim._fused import backend_option
 from gwt_optim.optim._saved import check_family, check_saved_state, describe, saved_group, shipped_families
 from gwt_optim.optim._sharded import check_sharding, is_dtensor
 from gwt_optim.optim._stepper import Stepper
@@ -61,7 +61,7 @@ class GWTOptimizer(Optimizer):
     _GROUP_KEY: str | None = None
     #: Whether the family stores ``moment_dtype="int8"`` moments (:mod:`._quant`).
     _INT8_MOMENTS = False
-    #: The family's fused kernels (:class:`._fused.Kernels`), or None: every step eager.
+    #: The family's fused kernels (:class:`._dispatch.Kernels`), or None: every step eager.
     _KERNELS: type | None = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any], *,

@@ -32,7 +32,7 @@ class Rule:
     # (group, W, moments, r, step[, reduce=]): the second half, with the limiter's r.
     apply: Callable[..., None]
     limited: Callable[[dict, bool], bool]  # (group, transformed): whether Fira's limiter applies
-    kernels: Any = None  # the fused kernels (_fused.Kernels) its steps may run on; None: every step eager
+    kernels: Any = None  # the fused kernels (_dispatch.Kernels) its steps may run on; None: every step eager
     # Its sharded second half needs each matrix whole: those steps wait for between_phases.
     whole_matrix: bool = False
     # (pending ParamSteps, the same on every rank): its collectives between the halves of sharded steps,

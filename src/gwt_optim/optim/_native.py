@@ -4,7 +4,7 @@ pool torch already uses. The kernels' design (the two phases and their
 workspace, the pipelined batched step, bf16 row segments, AVX2 blocks) is
 stated once, in the C file's header. This module holds the library's
 interface (the ctypes mirrors of its structs and its functions' signatures)
-and :class:`NativeBackend`, which follows :class:`~gwt_optim.optim._fused.FusedBackend`.
+and :class:`NativeBackend`, which follows :class:`~gwt_optim.optim._backends.FusedBackend`.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def state_problem(state: dict, spec: dict[str, tuple], level: int, w: Tensor | N
     fused kernels, which index the state through raw pointers sized by the
     weight (``fused_dtype``: the moments' dtype they read), also of that dtype
     and contiguous, with a one-element limiter norm (the weight and gradient
-    are :func:`~gwt_optim.optim._backends.choose`'s to check)."""
+    are :func:`~gwt_optim.optim._dispatch.choose`'s to check)."""
     saved = "the saved " if w is None else ""
     for key, shape in spec.items():
         t = state.get(key)

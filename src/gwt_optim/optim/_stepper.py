@@ -1,5 +1,5 @@
 """The machinery of one ``step()``: each parameter's backend
-(:func:`~gwt_optim.optim._backends.choose`), its state created or checked, its
+(:func:`~gwt_optim.optim._dispatch.choose`), its state created or checked, its
 step counted, the family's eager halves around the limiter, and the batched
 fused backends under a :class:`Plan` per scope (every parameter, key
 :data:`STEP`, or one for ``step_param``, key ``id(param)``), repeated while
@@ -18,9 +18,9 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim._backends import Bucket, choose, kernel_scalars, moment_dtype, route_key
+from gwt_optim.optim._backends import Bucket, all_finite, kernel_scalars, moment_dtype
+from gwt_optim.optim._dispatch import choose, route_key
 from gwt_optim.optim._family import Rule
-from gwt_optim.optim._fused import all_finite
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
 from gwt_optim.optim._sharded import (Sharding, check_sharding, distribute_state, finite_across_ranks, is_dtensor,
                                       local, reduce_limiter_norms)

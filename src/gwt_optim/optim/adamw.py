@@ -5,7 +5,7 @@ Its step is :func:`gwt_optim.optim.functional.gwt_adamw` (the halves
 with its relation to ``torch.optim.AdamW`` and to the authors' code, and how
 epsilon governs the details. With level 0, alpha 1 and the limiter off it is
 ``torch.optim.AdamW`` (to fp32 rounding); parameters with fewer than two
-dimensions take that plain step. Its fused kernels (:mod:`._fused`) run the
+dimensions take that plain step. Its fused kernels (:mod:`._dispatch`) run the
 same step in two passes over memory.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from gwt_optim.optim import _fused, _quant
+from gwt_optim.optim import _dispatch, _quant
 from gwt_optim.optim import functional as F
 from gwt_optim.optim._base import GWTOptimizer
 from gwt_optim.optim._family import check_adam_hyperparameters, group_lr, transform_defaults
@@ -62,8 +62,8 @@ class GWTAdamW(GWTOptimizer):
 
     _family = "GWTAdamW"
     _INT8_MOMENTS = True
-    # Which parameters they take: _backends.choose.
-    _KERNELS = _fused.Kernels
+    # Which parameters they take: _dispatch.choose.
+    _KERNELS = _dispatch.Kernels
 
     def __init__(
         self,
