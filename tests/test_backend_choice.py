@@ -117,7 +117,7 @@ def answers(select: bool = False):
         g = {**opt.defaults, **group}
         w = torch.randn(SHAPES[shape], generator=gen).to(wd)
         grad = torch.randn(SHAPES[shape], generator=gen).to(gd)
-        r = choose(opt._kernels, g, w, grad, sharded, opt._limiter_enabled(g, w.ndim >= 2))
+        r = choose(opt._kernels, g, w, grad, sharded, opt._rule_of(g).limited(g, w.ndim >= 2))
         if r.backend is not None:
             path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
         else:

@@ -116,6 +116,27 @@ def test_adamw_groups_are_torch_adamw():
     torch.testing.assert_close(a, b)
 
 
+def test_the_limiter_runs_in_the_adamw_groups_only():
+    # The rule of a group says whether Fira's limiter applies (_family.Rule.limiter): a Muon group's
+    # Newton-Schulz would cancel it; an AdamW group's matrix steps as GWT-AdamW's, limiter included.
+    from gwt_optim import GWTAdamW
+
+    a, b, g = _pair((8, 16))
+    m = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+    hp = dict(lr=1e-2, weight_decay=0.0, level=1, scale=0.5, norm_growth_limit=1.01)
+    ref = GWTAdamW([a], betas=(0.9, 0.95), eps=1e-8, detail_clip=None, backend="eager", **hp)
+    ours = GWTMuon([{"params": [m]}, {"params": [b], "use_muon": False, "betas": (0.9, 0.95), "eps": 1e-8}],
+                   ns_dtype="float32", **hp)
+    for _ in range(3):
+        a.grad = b.grad = torch.randn(8, 16, generator=g)
+        m.grad = torch.randn(8, 16, generator=g)
+        ref.step()
+        ours.step()
+    assert "limiter_norm" in ours.state[b] and "limiter_norm" not in ours.state[m]
+    assert torch.equal(ours.state[b]["limiter_norm"], ref.state[a]["limiter_norm"])
+    assert torch.equal(a, b)
+
+
 def test_non_matrix_in_muon_group_names_the_fix():
     with pytest.raises(ValueError, match="use_muon=False"):
         GWTMuon([torch.nn.Parameter(torch.zeros(4))])

@@ -102,7 +102,7 @@ def _make(family, options, shape, dtype, backend, impl):
 def route(opt, group, p, grad):
     """(path, backend, gradient as read, level) of ``p``'s step, from choose()."""
     sharded = is_dtensor(p)
-    r = choose(opt._kernels, group, local(p), local(grad), sharded, opt._limiter_enabled(group, p.ndim >= 2))
+    r = choose(opt._kernels, group, local(p), local(grad), sharded, opt._rule_of(group).limited(group, p.ndim >= 2))
     if r.backend is not None:
         path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
     elif r.level == 0:

@@ -105,8 +105,7 @@ class GWTOptimizer(Optimizer):
     def _make_rules(self) -> None:
         """The family's rule from its hooks (:meth:`_rule_of` returns it); a
         family with more than one kind of group makes one per kind."""
-        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, self._limiter_enabled,
-                          self._kernels)
+        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, self._kernels)
 
     def _rule_of(self, group: dict) -> Rule:
         """The rule that steps ``group``'s parameters (its options merged with the defaults)."""
@@ -274,9 +273,6 @@ class GWTOptimizer(Optimizer):
         """The second half: its ``functional.gwt_*_apply`` with the limiter's
         ``r`` (``reduce``: as :meth:`_moments`)."""
         raise NotImplementedError
-
-    def _limiter_enabled(self, group: dict, transformed: bool) -> bool:
-        return transformed and group["norm_growth_limit"] is not None
 
     # ------------------------------------------------------ state dicts --- #
 

@@ -31,13 +31,18 @@ class Rule:
     moments: Callable[..., Any]
     # (group, W, moments, r, step[, reduce=]): the second half, with the limiter's r.
     apply: Callable[..., None]
-    limited: Callable[[dict, bool], bool]  # (group, transformed): whether Fira's limiter applies
     kernels: Any = None  # the fused kernels (_dispatch.Kernels) its steps may run on; None: every step eager
     # Its sharded second half needs each matrix whole: those steps wait for between_phases.
     whole_matrix: bool = False
     # (pending ParamSteps, the same on every rank): its collectives between the halves of sharded steps,
     # after the limiter's all-reduce.
     between_phases: Callable[[list], None] | None = None
+    limiter: bool = True  # whether its update takes Fira's limiter at all (GWT-Muon's Muon groups' does not)
+
+    def limited(self, group: dict, transformed: bool) -> bool:
+        """Whether Fira's limiter applies to a step of ``group``: a transformed
+        parameter's, with a ``norm_growth_limit``, under a rule that takes it."""
+        return self.limiter and transformed and group["norm_growth_limit"] is not None
 
 
 def transform_defaults(level: int, wavelet: str, scale: float, norm_growth_limit: float | None) -> dict[str, Any]:

@@ -128,24 +128,20 @@ class GWTMuon(GWTOptimizer):
     # (adamw.init_state, moments, apply) for the others, eager (this family has no kernels).
 
     def _make_rules(self) -> None:
-        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, self._limiter_enabled,
-                          whole_matrix=True, between_phases=self._between_phases)
+        # Newton-Schulz divides by the norm first, so the limiter would cancel.
+        self._rule = Rule(self._family, self._init_family_state, self._moments, self._apply, whole_matrix=True,
+                          between_phases=self._between_phases, limiter=False)
         impl = self._impl
         self._adamw_rule = Rule(
             self._family, lambda group, state, approx, md, transformed: adamw.init_state(group, state, approx, md),
             lambda group, state, W, G, step, reduce=None: adamw.moments(group, state, W, G, step, impl),
-            lambda group, W, m, r, step, reduce=None: adamw.apply(group, W, m, r, step),
-            self._limiter_enabled)
+            lambda group, W, m, r, step, reduce=None: adamw.apply(group, W, m, r, step))
 
     def _rule_of(self, group: dict) -> Rule:
         return self._rule if group["use_muon"] else self._adamw_rule
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         state["momentum_buffer"] = torch.zeros_like(approx, dtype=moment_dtype, memory_format=torch.contiguous_format)
-
-    def _limiter_enabled(self, group, transformed) -> bool:
-        # Newton-Schulz divides by the norm first, so the limiter would cancel.
-        return not group["use_muon"] and super()._limiter_enabled(group, transformed)
 
     # AdamW groups: every statistic is an entry's or a row's, as GWTAdamW's (nothing to reduce); Muon groups:
     # X is computed row by row, and the whole matrix meets in _between_phases.
