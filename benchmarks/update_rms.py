@@ -2,6 +2,7 @@
 
     python benchmarks/update_rms.py                     # the synthetic limits (seconds)
     python benchmarks/update_rms.py --real --steps 400   # and real gradients: llama_9m on pysrc under AdamW
+    python benchmarks/update_rms.py --horizon            # the synthetic limits along a 2,000-step run (minutes)
 
 Every number is RMS(GWT's step) / RMS(AdamW's step) for the same gradients, at lr 1 and alpha 1 (the step's
 direction times its bias correction, before lr): 1.00 means AdamW's learning rate carries over as it is.
@@ -43,6 +44,8 @@ VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor
     "clip 0.5, alpha 2^(l/2)": dict(detail_clip=0.5, alpha="rule"),
     # issue 54's candidate C1 at the lr's peak (its clip rises to 0.5 as the lr decays): the details' tails halved
     "clip 0.25, alpha 2^(l/2)": dict(detail_clip=0.25, alpha="rule"),
+    # issue 54's candidate C2: the clip bounds the detail step, alpha c lr at every step (detail_clip_units)
+    "clip 0.2 in step units, alpha 2^(l/2)": dict(detail_clip=0.2, detail_clip_units="step", alpha="rule"),
 }
 
 
@@ -130,6 +133,48 @@ def synthetic(levels=(1, 2, 3, 4), steps=200, seed=0) -> str:
     return "\n".join(lines)
 
 
+def horizon(level=2, marks=(20, 200, 600, 1000, 2000), seed=0) -> str:
+    """Along / across (signal 0.3 under unit noise) and the pure-noise ratio at the given steps: the shipped
+    clip's bound in the step grows as sqrt(1 - beta2^t), which the 200-step limits above do not see."""
+    gen = torch.Generator().manual_seed(seed)
+    m, n = 32, 256
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    G0 = randn(m, n)
+    cases = {"pure noise": [randn(m, n) for _ in range(max(marks))],
+             "signal 0.3 under unit noise": [0.3 * G0 + randn(m, n) for _ in range(max(marks))]}
+
+    def trace(grads, lv, variant):
+        sh = Shadow((m, n), lv, variant, None, dtype=torch.float64)
+        along, across, out = [], [], {}
+        for t, G in enumerate(grads, 1):
+            rms = sh.step(G)
+            a = sh.along(G0)
+            along.append(a)
+            across.append(max(rms ** 2 - a ** 2, 0.0) ** 0.5)
+            if t in marks:
+                k = min(t, 20)
+                out[t] = (sum(along[-k:]) / k, sum(across[-k:]) / k)
+        return out
+
+    lines = [f"Level {level}, over AdamW's on the same gradients (mean of the 20 steps up to each):", "",
+             "| gradients | variant | " + " | ".join(f"t={t}" for t in marks) + " |",
+             "|---|---|" + "---:|" * len(marks)]
+    for name, grads in cases.items():
+        base = trace(grads, 0, {})
+        for i, (variant, kw) in enumerate(VARIANTS.items()):
+            got = trace(grads, level, kw)
+            if name == "pure noise":  # nothing to go along: the step's RMS
+                cells = [f"{got[t][1] / base[t][1]:.2f}" for t in marks]
+            else:
+                cells = [f"{got[t][0] / base[t][0]:.2f} / {got[t][1] / base[t][1]:.2f}" for t in marks]
+            lines.append(f"| {name + (' (along / across)' if name != 'pure noise' else ' (RMS)') if i == 0 else ''} "
+                         f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def real(steps: int, record: list[int], levels=(1, 2, 3), seed=0) -> str:
     from gwt_optim.groups import split_params
     from gwt_optim.toolkit.data import build_data
@@ -195,8 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--record", default="1,10,50,100,200,300,400", help="steps to tabulate")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--horizon", action="store_true",
+                    help="only the synthetic limits along a 2,000-step run at level 2 (a few minutes)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.horizon:
+        print(f"# GWT's step against AdamW's along a run\n\n{environment()}\n\n{horizon()}\n", flush=True)
+        return 0
     print(f"# GWT's step size against AdamW's\n\n{environment()}\n\n## Synthetic limits\n\n{synthetic()}\n",
           flush=True)
     if a.real:

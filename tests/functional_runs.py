@@ -45,7 +45,8 @@ class Runner:
 
 class AdamW(Runner):
     DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, level=2, scale=0.25,
-                    norm_growth_limit=1.01, detail_clip=0.5, moment_dtype=None, impl="fast", wavelet="haar")
+                    norm_growth_limit=1.01, detail_clip=0.5, moment_dtype=None, impl="fast", wavelet="haar",
+                    detail_clip_units="stored")
 
     def __init__(self, W: Tensor, **kw) -> None:
         super().__init__(W, {**self.DEFAULTS, **kw}, ("exp_avg", "exp_avg_sq"))
@@ -55,7 +56,7 @@ class AdamW(Runner):
         F.gwt_adamw(self.W, G, s["exp_avg"], s["exp_avg_sq"], s.get("limiter_norm"), step=self.t, lr=lr,
                     beta1=o["betas"][0], beta2=o["betas"][1], eps=o["eps"], weight_decay=o["weight_decay"],
                     level=o["level"], alpha=o["scale"], gamma=o["norm_growth_limit"], detail_clip=o["detail_clip"],
-                    impl=o["impl"], wavelet=o["wavelet"])
+                    impl=o["impl"], wavelet=o["wavelet"], detail_clip_units=o["detail_clip_units"])
 
 
 class Muon(Runner):

@@ -71,12 +71,15 @@ def count_fused(monkeypatch):
     [((3, 17), 1), ((2, 3, 9), 2), ((4, 5), 3), ((5, 70), 6), ((6, 64), 2), ((3, 48), 3), ((2, 160), 4), ((9, 2101), 2)],
 )
 @pytest.mark.parametrize("gamma, wd", [(1.01, 0.1), (None, 0.0)])
-@pytest.mark.parametrize("clip, alpha", [(0.5, 0.25), (None, 0.25), (0.5, 2.0), (None, 2.0)])
-def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, clip, alpha, count_fused):
-    # clip 0.5: the default; None: the paper's update; alpha 0.25: the class's, 2: the recipe's at level 2
+@pytest.mark.parametrize("clip, alpha, units", [(0.5, 0.25, "stored"), (None, 0.25, "stored"), (0.5, 2.0, "stored"),
+                                                (None, 2.0, "stored"), (0.25, 2.0, "step")])
+def test_native_float64_matches_the_functional_update(shape, level, gamma, wd, clip, alpha, units, count_fused):
+    # clip 0.5: the default; None: the paper's update; alpha 0.25: the class's, 2: the recipe's at level 2;
+    # "step": the clip in the step's units (a stored clip that changes every step)
     _native_or_skip()
     W0, grads = _problem(shape, 4, torch.float64, seed=level)
-    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip, scale=alpha)
+    kw = dict(lr=1e-2, weight_decay=wd, level=level, norm_growth_limit=gamma, detail_clip=clip, scale=alpha,
+              detail_clip_units=units)
     native, opt = _run(W0, grads, backend="native", **kw)
     reference, (run,) = runs.train(runs.AdamW, W0, grads, **kw)
     assert count_fused == {"native": 4}

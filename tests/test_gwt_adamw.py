@@ -232,6 +232,49 @@ def test_detail_clip_default_is_half_and_none_is_the_paper_update():
             GWTAdamW([torch.nn.Parameter(torch.zeros(2, 4))], detail_clip=bad)
 
 
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_detail_clip_units(level):
+    """A gradient whose blocks sum to zero has A = 0, so U = 0 and every normalized detail is clipped: each
+    entry's step is then exactly the clip's bound, alpha c lr in ``"step"`` units at every t, and alpha c lr c_t,
+    c_t = sqrt(1 - beta2^t)/(1 - beta1^t), in the ``"stored"`` units (the default)."""
+    lr, alpha, c, (b1, b2), n = 1e-2, 2.0, 0.25, (0.9, 0.999), 4 * 2**level
+    sign = torch.tensor([1.0, -1.0]).repeat(n // 2).expand(3, n).double()
+    for units in ("step", "stored"):
+        W = torch.nn.Parameter(torch.zeros(3, n, dtype=torch.float64))
+        opt = GWTAdamW([W], lr=lr, scale=alpha, level=level, detail_clip=c, detail_clip_units=units)
+        for t in range(1, 41):
+            before = W.detach().clone()
+            W.grad = 5.0 * sign
+            opt.step()
+            c_t = math.sqrt(1 - b2**t) / (1 - b1**t)
+            want = lr * alpha * c * (1.0 if units == "step" else c_t)
+            torch.testing.assert_close(before - W.detach(), want * sign, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="detail_clip_units"):
+        GWTAdamW([torch.nn.Parameter(torch.zeros(2, 4))], detail_clip_units="adam")
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_detail_clip_units_step_matches_float64_oracle(impl):
+    """``"step"`` units are the stored clip c (1 - beta1^t)/sqrt(1 - beta2^t) at each step: the float64 oracle
+    stepped one step at a time with that clip (its state carried over) equals the optimizer."""
+    W0, grads = make_problem((5, 24), steps=6, seed=7)
+    got = run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=2, detail_clip=0.25,
+                                       detail_clip_units="step", impl=impl), W0, grads)
+    b1, b2 = 0.9, 0.999
+    W = torch.nn.Parameter(torch.from_numpy(W0).clone())
+    opt = GWTAdamW([W], lr=1e-2, weight_decay=0.1, level=2, detail_clip=0.25, impl=impl)
+    for t, g in enumerate(grads, 1):
+        opt.param_groups[0]["detail_clip"] = 0.25 * (1 - b1**t) / math.sqrt(1 - b2**t)
+        W.grad = torch.from_numpy(g).clone()
+        opt.step()
+    torch.testing.assert_close(got, W.detach(), rtol=0, atol=0)
+    expected_first = numpy_gwt_adamw(W0, grads[:1], lr=1e-2, betas=(b1, b2), eps=1e-8, wd=0.1, level=2, scale=0.25,
+                                     gamma=1.01, clip=0.25 * (1 - b1) / math.sqrt(1 - b2))
+    first = run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=2, detail_clip=0.25,
+                                         detail_clip_units="step", impl=impl), W0, grads[:1])
+    np.testing.assert_allclose(first.numpy(), expected_first, rtol=1e-10, atol=1e-12)
+
+
 # GWTMuon refuses the clip in its Muon groups (tests/test_muon.py): they have no denominator to normalize by.
 @pytest.mark.parametrize("family", ["GWTAdamMini", "GWTAdafactor"])
 def test_detail_clip_reaches_other_families_fast_equals_reference(family):

@@ -155,10 +155,10 @@ def test_fp32_matches_the_functional_update(tt, level, gamma, wd, eps, steps):
 
 
 @needs_triton
-@pytest.mark.parametrize("alpha", [0.25, 2.0])
-def test_detail_clip_matches_the_functional_update(tt, alpha):
+@pytest.mark.parametrize("alpha, units", [(0.25, "stored"), (2.0, "stored"), (2.0, "step")])
+def test_detail_clip_matches_the_functional_update(tt, alpha, units):
     W0, grads = _problem(shapes=SHAPES[:3], steps=2, seed=3)
-    kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5, scale=alpha)
+    kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-3, level=2, detail_clip=0.5, scale=alpha, detail_clip_units=units)
     opts = []
     got = _train(W0, grads, backend="triton", opt_out=opts, **kw)
     want, _ = _functional(W0, grads, **kw)

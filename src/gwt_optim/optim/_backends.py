@@ -154,7 +154,8 @@ def kernel_scalars(group: dict, step: int, alpha: float) -> AdamWScalars:
     options."""
     beta1, beta2 = group["betas"]
     return adamw_scalars(step, lr=group_lr(group), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], alpha=alpha)
+                         weight_decay=group["weight_decay"], alpha=alpha, detail_clip=group.get("detail_clip"),
+                         detail_clip_units=group.get("detail_clip_units", "stored"))
 
 
 class FusedBackend(Protocol):

@@ -87,11 +87,10 @@ _MIN_ENTRIES_PER_THREAD = 1 << 15
 
 def _hyper(group: dict, level: int, s: AdamWScalars, step_size: float, decay: float) -> _Hyper:
     """The kernels' hyperparameters of a step of ``group`` at ``level`` with
-    the step's scalars ``s`` (detail_clip 0 when off)."""
-    clip = group.get("detail_clip")
+    the step's scalars ``s`` (the stored detail clip 0 when off)."""
     h = 2.0 ** (-level / 2)
     return _Hyper(h=h, w1=s.w1, beta2=s.beta2, eps2=s.eps, scale=step_size, decay=decay,
-                  clip=0.0 if clip is None else float(clip))
+                  clip=0.0 if s.clip is None else float(s.clip))
 
 
 def _rows(G: Tensor) -> tuple[int, int, int]:

@@ -528,7 +528,7 @@ class TritonBackend:
     @staticmethod
     def _hyper(group: dict, level: int, step: int, limited: bool, s: AdamWScalars) -> _Hyper:
         """The launch's scalars: the step's ``s`` (:func:`._backends.kernel_scalars`), the group's limiter, clip."""
-        clip = group.get("detail_clip")
+        clip = s.clip
         return _Hyper(
             h=2.0 ** (-level / 2),
             w1=s.w1,

@@ -45,6 +45,13 @@ class GWTAdamW(GWTOptimizer):
             inverse (default 0.5, chosen by the fair protocol of
             ``benchmarks/quality.py``; see ``docs/algorithm.md``).
             ``detail_clip=None`` is the paper's update exactly.
+        detail_clip_units: what ``detail_clip`` bounds. ``"stored"``
+            (default): the detail normalized by the stored denominator
+            :math:`\sqrt{V} + \epsilon'`, so that an entry's detail step is
+            at most :math:`\alpha c \eta \sqrt{1-\beta_2^t}/(1-\beta_1^t)`,
+            a bound that grows over the first :math:`\sim 1/(1-\beta_2)`
+            steps; ``"step"``: the detail step itself, at most
+            :math:`\alpha c \eta` at every step (issue 54's candidate).
         moment_dtype: ``"float32"`` (default for fp32/bf16 parameters),
             ``"bfloat16"`` to halve moment memory again, ``"float64"``, or
             ``"int8"`` (blockwise 8-bit codes, :mod:`._quant`); or the torch
@@ -78,6 +85,7 @@ class GWTAdamW(GWTOptimizer):
         norm_growth_limit: float | None = 1.01,
         *,
         detail_clip: float | None = 0.5,
+        detail_clip_units: str = "stored",
         moment_dtype: str | None = None,
         impl: str = "fast",
         backend: str = "auto",
@@ -90,13 +98,16 @@ class GWTAdamW(GWTOptimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             **transform_defaults(level, wavelet, scale, norm_growth_limit),
-            detail_clip=detail_clip, moment_dtype=moment_dtype,
+            detail_clip=detail_clip, detail_clip_units=detail_clip_units, moment_dtype=moment_dtype,
         )
         super().__init__(params, defaults, impl=impl, backend=backend, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
 
     def _validate_family(self, g: dict[str, Any]) -> None:
         check_adam_hyperparameters(g)
+        units = g.get("detail_clip_units", "stored")
+        if units not in F.DETAIL_CLIP_UNITS:
+            raise ValueError(f"Invalid detail_clip_units: {units!r} (one of {', '.join(F.DETAIL_CLIP_UNITS)})")
 
     def _init_family_state(self, group, state, approx, moment_dtype, transformed) -> None:
         init_state(group, state, approx, moment_dtype)
@@ -132,5 +143,7 @@ def moments(group: dict, state: dict, W: Tensor, G: Tensor, step: int, impl: str
 
 def apply(group: dict, W: Tensor, m: F.Moments, r, step: int) -> None:
     beta1, beta2 = group["betas"]
+    # GWT-Muon's AdamW groups, and groups saved before the option existed, have no detail_clip_units: "stored".
     F.gwt_adamw_apply(W, m, r, step=step, lr=group_lr(group), beta1=beta1, beta2=beta2,
-                      weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"])
+                      weight_decay=group["weight_decay"], alpha=group["scale"], detail_clip=group["detail_clip"],
+                      detail_clip_units=group.get("detail_clip_units", "stored"))

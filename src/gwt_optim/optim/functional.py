@@ -292,6 +292,21 @@ def adam_eps(eps: float, beta2: float, step: int) -> float:
     return eps * math.sqrt(1 - beta2**step)
 
 
+DETAIL_CLIP_UNITS = ("stored", "step")
+
+
+def stored_clip(detail_clip: float | None, units: str, step: int, beta1: float, beta2: float) -> float | None:
+    """The clip ``c`` as step 4 applies it, to the details normalized by the stored denominator sqrt(V) + eps'.
+
+    ``units="stored"``: ``c`` itself. The details are then multiplied by Adam's c_t, so the bound on an entry's
+    detail step, alpha c lr c_t = alpha c lr sqrt(1 - beta2^t)/(1 - beta1^t), grows with t (at beta2 0.999
+    from 0.32 alpha c lr at t = 1 to 0.93 at t = 2,000). ``units="step"``: the bound itself is alpha c lr at
+    every step, so the stored clip is c (1 - beta1^t)/sqrt(1 - beta2^t) (issue 54's candidate C2)."""
+    if detail_clip is None or units == "stored":
+        return detail_clip
+    return detail_clip * (1 - beta1**step) / math.sqrt(1 - beta2**step)
+
+
 class AdamWScalars(NamedTuple):
     """The scalars of one GWT-AdamW step of a group at one alpha, as the fused
     kernels take them (each backend copies them into its launch arguments)."""
@@ -302,16 +317,18 @@ class AdamWScalars(NamedTuple):
     eps: float  # adam_eps: added to sqrt(V)
     step_size: float  # (alpha lr) c_t, before the division by the limiter's r
     decay: float  # 1 - lr wd
+    clip: float | None = None  # stored_clip: the detail clip against the stored denominator; None: off
 
 
 def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  alpha: float) -> AdamWScalars:
+                  alpha: float, detail_clip: float | None = None, detail_clip_units: str = "stored") -> AdamWScalars:
     """:func:`gwt_adamw`'s scalars at ``step`` for the fused kernels, the one
     place they are computed. The eager halves take the same factors, but
     apply alpha in the direction and ``lr c_t`` in the update, where the
     kernels fold alpha into one step size, ``(alpha lr) c_t``."""
     return AdamWScalars(1.0 - beta1, beta2, 1.0 - beta2, adam_eps(eps, beta2, step),
-                        alpha * lr * adam_step_factor(step, beta1, beta2), 1 - lr * weight_decay)
+                        alpha * lr * adam_step_factor(step, beta1, beta2), 1 - lr * weight_decay,
+                        stored_clip(detail_clip, detail_clip_units, step, beta1, beta2))
 
 
 def gwt_adamw_moments(W: Tensor, G: Tensor, exp_avg, exp_avg_sq, *, step: int, beta1: float, beta2: float,
@@ -328,10 +345,11 @@ def gwt_adamw_moments(W: Tensor, G: Tensor, exp_avg, exp_avg_sq, *, step: int, b
 
 
 def gwt_adamw_apply(W: Tensor, m: Moments, r: Tensor | float, *, step: int, lr: float, beta1: float, beta2: float,
-                    weight_decay: float, alpha: float, detail_clip: float | None) -> None:
+                    weight_decay: float, alpha: float, detail_clip: float | None,
+                    detail_clip_units: str = "stored") -> None:
     """The second half of :func:`gwt_adamw` (steps 4-5), with the limiter's ``r``."""
     finish(W, m, r, lr=lr, weight_decay=weight_decay, step_size=lr * adam_step_factor(step, beta1, beta2), alpha=alpha,
-           detail_clip=detail_clip)
+           detail_clip=stored_clip(detail_clip, detail_clip_units, step, beta1, beta2))
 
 
 def finish(W: Tensor, m: Moments, r: Tensor | float, *, lr: float, weight_decay: float, step_size: float,
@@ -352,7 +370,7 @@ def _limit(W: Tensor, m: Moments, limiter_norm: Tensor | None, step: int, gamma:
 def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter_norm: Tensor | None, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, level: int,
               alpha: float, gamma: float | None, detail_clip: float | None, impl: str = "fast",
-              wavelet: str = wavelets.HAAR) -> None:
+              wavelet: str = wavelets.HAAR, detail_clip_units: str = "stored") -> None:
     """One GWT-AdamW step of W (``step`` = t, counted from 1), in place.
 
     ``exp_avg``/``exp_avg_sq`` are shaped like A_l (fp32 or lower), and
@@ -364,7 +382,7 @@ def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter
                           impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
     gwt_adamw_apply(W, m, r, step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, alpha=alpha,
-                    detail_clip=detail_clip)
+                    detail_clip=detail_clip, detail_clip_units=detail_clip_units)
 
 
 # ------------------------------------------------------------- GWT-Muon --- #

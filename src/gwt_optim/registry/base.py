@@ -339,14 +339,15 @@ def _gwt_adamw_options() -> dict[str, Any]:
     # ``detail_clip_end``: the clip anneals to it over training (train.DetailClipAnneal), a
     # zero-state remedy candidate of issue 18; None keeps the clip constant.
     return {**GWT_OPTIONS, "detail_clip": _class_default(GWTAdamW, "detail_clip"), "backend": None,
-            "detail_clip_end": None}
+            "detail_clip_end": None, "detail_clip_units": _class_default(GWTAdamW, "detail_clip_units")}
 
 
 @register(
     "gwt-adamw",
     help="GWT-AdamW: Adam moments on Haar approximation coefficients "
     "(level, wavelet, scale, norm_growth_limit, detail_clip (default 0.5; none = the paper's update), "
-    "detail_clip_end (anneal the clip to it over a toolkit run), moment_dtype, backend=auto|eager|native|triton)",
+    "detail_clip_end (anneal the clip to it over a toolkit run), detail_clip_units=stored|step, moment_dtype, "
+    "backend=auto|eager|native|triton)",
     options=_gwt_adamw_options(),
 )
 def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -363,6 +364,7 @@ def _gwt_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     opt = GWTAdamW(
         list(split), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         impl=cfg.pop("impl"), moment_dtype=cfg.pop("moment_dtype"), backend=cfg.pop("backend") or "auto",
+        detail_clip_units=cfg.pop("detail_clip_units"),
     )
     if end is not None:
         if not any(g.get("level") and g.get("detail_clip") is not None for g in opt.param_groups):
