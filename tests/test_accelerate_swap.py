@@ -18,8 +18,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import launch
 
 pytest.importorskip("accelerate", reason="accelerate is not installed (the train extra)")
 
@@ -47,48 +46,44 @@ def batches():
             for _ in range(STEPS)]
 
 
-def _worker(rank, store, out_dir):
+def _worker(rank, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            accelerator = Accelerator(cpu=True)
-        assert accelerator.state.distributed_type == DistributedType.MULTI_CPU  # what it picks on CPU
-        accelerator.state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerator = Accelerator(cpu=True)
+    assert accelerator.state.distributed_type == DistributedType.MULTI_CPU  # what it picks on CPU
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
 
-        model = make_model()
-        opt = make_opt(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, prepared = accelerator.prepare(model, opt)
-        # The groups now hold the prepared model's parameters, each once, sharded; the options stayed.
-        held = [p for g in opt.param_groups for p in g["params"]]
-        assert {id(p) for p in held} == {id(p) for p in model.parameters()} and len(held) == 4
-        assert all(type(p).__name__ == "DTensor" for p in held)
-        assert [g["level"] for g in opt.param_groups] == [2, 0]
+    model = make_model()
+    opt = make_opt(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, prepared = accelerator.prepare(model, opt)
+    # The groups now hold the prepared model's parameters, each once, sharded; the options stayed.
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert {id(p) for p in held} == {id(p) for p in model.parameters()} and len(held) == 4
+    assert all(type(p).__name__ == "DTensor" for p in held)
+    assert [g["level"] for g in opt.param_groups] == [2, 0]
 
-        for x, y in batches():
-            prepared.zero_grad()
-            torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
-            prepared.step()
-        # The state is keyed by the new parameters, and sharded like them (A_2 of 12 columns: 3).
-        w = model[0].weight
-        assert set(opt.state) == set(held)
-        assert type(opt.state[w]["exp_avg"]).__name__ == "DTensor" and tuple(opt.state[w]["exp_avg"].shape) == (21, 3)
-        full = [p.full_tensor() for p in model.parameters()]
-        if rank == 0:
-            torch.save([t.detach().clone() for t in full], os.path.join(out_dir, "accelerate.pt"))
-    finally:
-        dist.destroy_process_group()
+    for x, y in batches():
+        prepared.zero_grad()
+        torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
+        prepared.step()
+    # The state is keyed by the new parameters, and sharded like them (A_2 of 12 columns: 3).
+    w = model[0].weight
+    assert set(opt.state) == set(held)
+    assert type(opt.state[w]["exp_avg"]).__name__ == "DTensor" and tuple(opt.state[w]["exp_avg"].shape) == (21, 3)
+    full = [p.full_tensor() for p in model.parameters()]
+    if rank == 0:
+        torch.save([t.detach().clone() for t in full], os.path.join(out_dir, "accelerate.pt"))
 
 
 def test_the_fsdp2_parameter_swap_keeps_gwt_adamw_training_as_one_process(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    launch(_worker, WORLD, tmp_path, str(tmp_path))
     model = make_model()
     opt = make_opt(model)
     for x, y in batches():

@@ -11,8 +11,7 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import launch
 
 from gwt_optim import GWTAdamW
 
@@ -64,15 +63,11 @@ def single_process_result(gamma=1.01):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank, store_path, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
-        for mode in ("fsdp", "ddp"):
-            _train_distributed(rank, mode, os.path.join(out_dir, f"{mode}.pt"), os.path.join(out_dir, "dcp"))
-        _train_distributed(rank, "fsdp", os.path.join(out_dir, "fsdp-resumed.pt"), os.path.join(out_dir, "dcp"),
-                           resume=True)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, out_dir):
+    for mode in ("fsdp", "ddp"):
+        _train_distributed(rank, mode, os.path.join(out_dir, f"{mode}.pt"), os.path.join(out_dir, "dcp"))
+    _train_distributed(rank, "fsdp", os.path.join(out_dir, "fsdp-resumed.pt"), os.path.join(out_dir, "dcp"),
+                       resume=True)
 
 
 def _train_distributed(rank, mode, out_path, dcp_dir, resume=False):
@@ -130,7 +125,7 @@ def _train_distributed(rank, mode, out_path, dcp_dir, resume=False):
 
 
 def test_fsdp2_and_ddp_training_match_single_process(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    launch(_worker, WORLD, tmp_path, str(tmp_path))
     expected = single_process_result()
     for mode in ("fsdp", "ddp"):
         got = torch.load(tmp_path / f"{mode}.pt", weights_only=True)

@@ -26,13 +26,13 @@ them (the state must come back whole and bitwise) and run to the end, which
 must equal one process. Layouts a family cannot take are refused with one
 line, on every rank (REFUSED: GWT-Muon's Muon groups on FSDP2 + TP).
 
-The launch costs 50-60 s of CPU time in all (4 processes and this one, user and system):
-75-95 s of wall time on 2 cores at a load average of 10-14.
+The test costs about 46 s of CPU time in all (the pytest process, the fork server and 4 ranks,
+user and system; 53 s when each rank was spawned and imported torch itself, tests/_launch.py):
+75-90 s of wall time on 2 cores at a load average of 12-14.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import warnings
@@ -40,7 +40,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import launch
 
 from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
 
@@ -319,9 +319,7 @@ def _refusals(out):
         out[("refused", "adam-mini", "3-D rows")] = str(e)
 
 
-def _worker(rank, store, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+def _worker(rank, out_dir):
     out: dict = {}
     try:
         with warnings.catch_warnings():
@@ -346,7 +344,6 @@ def _worker(rank, store, out_dir):
         else:
             refused = {k: v for k, v in out.items() if k[0] == "refused"}
             torch.save(refused, os.path.join(out_dir, f"refused{rank}.pt"))
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- tests --- #
@@ -355,7 +352,7 @@ def _worker(rank, store, out_dir):
 def test_every_family_on_every_layout(tmp_path):
     """One launch for every check (one test: pytest-xdist would run a shared
     fixture's launch once per worker)."""
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    launch(_worker, WORLD, tmp_path, str(tmp_path))
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     others = [torch.load(tmp_path / f"refused{r}.pt", weights_only=False) for r in range(1, WORLD)]
     for family in FAMILIES:

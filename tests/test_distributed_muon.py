@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import launch
 
 from gwt_optim import GWTMuon
 from gwt_optim.optim import muon
@@ -102,24 +102,19 @@ def _meshes():
             "hsdp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
 
 
-def _worker(rank, store_path, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        meshes = _meshes()
-        out = {"refused": _refusals(meshes["hsdp"])}
-        # FSDP on 4 ranks, on 2 (each replica's shard dimension alone, a 1-D mesh) and HSDP on 2x2.
-        for name, mesh in (*meshes.items(), ("fsdp-2", meshes["hsdp"]["shard"])):
-            out[f"given-{name}"] = _given_gradients(mesh)
-        dcp_dir = os.path.join(out_dir, "dcp")
-        out["fsdp"] = _train(meshes["fsdp"], dcp_dir)
-        out["fsdp-resumed"] = _train(meshes["fsdp"], dcp_dir, resume=True)
-        out["hsdp"] = _train(meshes["hsdp"])
-        out["hsdp-resumed"] = _train(meshes["hsdp"], dcp_dir, resume=True)
-        if rank == 0:
-            torch.save(out, os.path.join(out_dir, "out.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, out_dir):
+    meshes = _meshes()
+    out = {"refused": _refusals(meshes["hsdp"])}
+    # FSDP on 4 ranks, on 2 (each replica's shard dimension alone, a 1-D mesh) and HSDP on 2x2.
+    for name, mesh in (*meshes.items(), ("fsdp-2", meshes["hsdp"]["shard"])):
+        out[f"given-{name}"] = _given_gradients(mesh)
+    dcp_dir = os.path.join(out_dir, "dcp")
+    out["fsdp"] = _train(meshes["fsdp"], dcp_dir)
+    out["fsdp-resumed"] = _train(meshes["fsdp"], dcp_dir, resume=True)
+    out["hsdp"] = _train(meshes["hsdp"])
+    out["hsdp-resumed"] = _train(meshes["hsdp"], dcp_dir, resume=True)
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "out.pt"))
 
 
 def _refusals(mesh):
@@ -237,7 +232,7 @@ def test_row_chunks_and_owners():
 
 
 def test_sharded_gwt_muon_equals_one_process(tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    launch(_worker, WORLD, tmp_path, str(tmp_path))
     out = torch.load(tmp_path / "out.pt", weights_only=True)
 
     # The layouts an owner cannot reassemble, refused at construction, one line each.

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _launch import launch
 
 pytest.importorskip("torchtitan.components.optimizer",
                     reason="torchtitan (with tyro, spmd_types) is not installed; scripts/setup.sh installs 0.3.0")
@@ -293,48 +292,43 @@ def test_a_flat_state_dict_of_another_family_is_refused_and_nothing_changes():
 SAVE_AFTER, STEPS = 2, 4
 
 
-def _dcp_worker(rank, store, out_dir):
+def _dcp_worker(rank, out_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for resume in (False, True):
-            model = make_model()
-            for layer in (model[0].wq, model[0].wo, model[0].w1, model[1]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            container = gwt_config().build(model_parts=[model])
-            first = 0
-            if resume:
-                # torchtitan's checkpointer: the container and the model as Stateful, loaded in place.
-                state = {"model": model.state_dict(), "optimizer": container}
-                dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
-                model.load_state_dict(state["model"])
-                first = SAVE_AFTER
-            for t in range(first, STEPS):
-                if t == SAVE_AFTER and not resume:
-                    dcp.save({"model": model.state_dict(), "optimizer": container},
-                             checkpoint_id=os.path.join(out_dir, "dcp"))
-                x, y = batch(t)
-                container.zero_grad()
-                torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
-                container.step()
-            full = [p.full_tensor() for p in model.parameters()]
-            w = model[0].wq.weight
-            assert type(container.optimizers[0].state[w]["exp_avg"]).__name__ == "DTensor"
-            if rank == 0:
-                torch.save(full, os.path.join(out_dir, f"resumed-{resume}.pt"))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for resume in (False, True):
+        model = make_model()
+        for layer in (model[0].wq, model[0].wo, model[0].w1, model[1]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        container = gwt_config().build(model_parts=[model])
+        first = 0
+        if resume:
+            # torchtitan's checkpointer: the container and the model as Stateful, loaded in place.
+            state = {"model": model.state_dict(), "optimizer": container}
+            dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
+            model.load_state_dict(state["model"])
+            first = SAVE_AFTER
+        for t in range(first, STEPS):
+            if t == SAVE_AFTER and not resume:
+                dcp.save({"model": model.state_dict(), "optimizer": container},
+                         checkpoint_id=os.path.join(out_dir, "dcp"))
+            x, y = batch(t)
+            container.zero_grad()
+            torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
+            container.step()
+        full = [p.full_tensor() for p in model.parameters()]
+        w = model[0].wq.weight
+        assert type(container.optimizers[0].state[w]["exp_avg"]).__name__ == "DTensor"
+        if rank == 0:
+            torch.save(full, os.path.join(out_dir, f"resumed-{resume}.pt"))
 
 
 @pytest.mark.distributed
 def test_dcp_save_and_load_of_the_container_on_fsdp2_resumes_bitwise(tmp_path):
-    mp.start_processes(_dcp_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
-                       start_method="spawn")
+    launch(_dcp_worker, WORLD, tmp_path, str(tmp_path))
     straight = torch.load(tmp_path / "resumed-False.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed-True.pt", weights_only=True)
     for a, b in zip(straight, resumed):
