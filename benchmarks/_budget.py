@@ -33,19 +33,21 @@ paired Δ's 95% t-interval must not lie wholly above the bar).
 Runs save a checkpoint every ``--save-every`` steps and ``--resume`` resumes a
 cut-short run from it, so the study can span several sessions.
 """
+# (The docstring above is ``quality.py --budget --help``.) This module is the study's logic, which returns data;
+# the study driver (_study.py) runs it and writes budget.json and budget.md, which _report.py lays out.
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shlex
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
 import _protocol as P
+import _report as R
+from _study import Driver, prepare_data, threads_for
+
 from gwt_optim.toolkit.signals import abort_on_signals
 
 # Grids around the short-horizon bests (docs/results/h200-263fb73, the 600-step
@@ -781,227 +783,36 @@ def _data_to_match(out: dict[str, Any]) -> None:
         t["data_to_match"] = {"tokens": tokens, "ratio": tokens / budget if tokens else None, "how": how}
 
 
-def _reach_cells(reach: float | None, speedup: float | None, measured: bool) -> tuple[str, str]:
-    """The tokens-to-target and speedup cells; a measured contender that never got there is "< 1x"."""
-    return (f"{reach / 1e6:.2f}M" if P.finite(reach) else ("not reached" if measured else "-"),
-            f"{speedup:.2f}x" if P.finite(speedup) else ("< 1x" if measured else "-"))
-
-
-def _delta_cell(gap: dict[str, Any]) -> str:
-    """The paired gap as mean ± half-width of its 95% t-interval (± std where n < 2)."""
-    if not P.finite(gap.get("mean")):
-        return "—"
-    if P.finite(gap.get("ci")):
-        return f"{gap['mean']:+.4f} ± {gap['ci']:.4f} (n={gap['n']})"
-    return f"{gap['mean']:+.4f} (n={gap['n']})"
-
-
-def _speedup_cell(sp: dict[str, Any] | None) -> str:
-    """Per-seed speedups (budget over the tokens to the baseline's loss on the same seed): mean ± 95% t."""
-    if not sp or not sp.get("of"):
-        return "-"
-    if sp.get("reached") != sp.get("of"):
-        return f"reached on {sp.get('reached')} of {sp.get('of')} seeds"
-    if P.finite(sp.get("half")):
-        return f"{sp['mean']:.2f}× ± {sp['half']:.2f}"
-    return f"{sp['mean']:.2f}×"
-
-
-def _wd_phrase(base: float, wds: list[float] | None) -> str:
-    """The header's weight decay: one value, or the axis it was tuned on (a run's own is in its row)."""
-    if not wds or len(wds) < 2:
-        return f"weight decay {base:g}"
-    return f"weight decay {base:g} on the lr grid, then tuned on {', '.join(f'{w:g}' for w in wds)} at the best lr"
-
-
 def render(report: dict[str, Any]) -> str:
-    s, B = report["setting"], report["budget"]
-    C = B["contenders"]
-    env = report.get("run_environment") or report.get("environment", {})
-    f = P._f
-    lines = ["# Quality at a real budget", "",
-             f"`{s['model']}` on `--data {s['data']}` ({report['train_tokens']:,} training tokens, "
-             f"{s['vocab_size']}-token BPE, sequences of {s['seq_len']}), {B['tokens_per_step']:,} tokens per "
-             f"step; budget **{B['budget_tokens']:,} tokens ({B['steps']} steps)**, tuning runs "
-             f"{B['tune_steps']} steps. {P.schedule_phrase(s)}, gradient clip "
-             f"{s['grad_clip']}, {_wd_phrase(s['weight_decay'], B.get('weight_decays'))}, precision "
-             f"{s['precision']}, device {s['device']}. Matrix-only fairness: embeddings, head, norms and biases on AdamW at lr "
-             f"{B['regular_lr']:g} for everyone; the attention and MLP matrices at each contender's matrix lr "
-             f"(alpha 1). AdamW's beta2 tuned on {report['beta2s']} (best: {B.get('adamw_best_beta2')}); every "
-             f"other contender runs at beta2 = {B.get('beta2')}"
-             + (" (fixed beforehand, **not AdamW's best**)" if B.get("beta2") != B.get("adamw_best_beta2") else "")
-             + f". Tuning seeds {B['tune_seeds']}, reporting seeds {B['report_seeds']}.",
-             "", "## Tuning (validation loss at the end of a tuning run; best in bold)", ""]
-    for c, t in C.items():
-        lrs = t.get("lrs") or B["grids"].get(c, [])
-        lines += [f"| {c} | " + " | ".join(f"lr {P.fmt_lr(x)}" for x in lrs) + " |",
-                  "|---|" + "---:|" * len(lrs)]
-        for b2, row in (t.get("grid") or {}).items():
-            cells = []
-            for lr in lrs:
-                v = row.get(P.fmt_lr(lr))
-                st = [x for x in (t.get("status") or {}).get(f"{b2}:{P.fmt_lr(lr)}", []) if x != "ok"]
-                best = lr == t.get("best_lr") and float(b2) == t.get("best_beta2")
-                cells.append(P._bold(f(v), best) if P.finite(v) else (st[0] if st else "-"))
-            lines.append(f"| beta2 {b2} | " + " | ".join(cells) + " |")
-        if len(t.get("wd_grid") or {}) > 1:
-            wd_cells = [P._bold(f(v), float(k) == t.get("best_wd")) if P.finite(v) else "-"
-                        for k, v in t["wd_grid"].items()]
-            lines += ["", f"weight decay at lr {P.fmt_lr(t['best_lr'])}: " + ", ".join(
-                f"{k}: {c}" for k, c in zip(t["wd_grid"], wd_cells))]
-        if t.get("extended"):
-            lines += ["", f"lr grid extended {t['extended']} time(s) beyond the edge its best sat on (--extend-edges)"]
-        if pr := t.get("prior"):
-            at = f"lr {P.fmt_lr(pr['lr'])}, weight decay {pr['wd']:g}"
-            lines += ["", f"Reporting runs started first at an earlier tuning's best ({at}, `--prior-best`): " + (
-                "the tuning here agrees." if pr["complete"] and pr["agrees"] else
-                "**the tuning here chose another best: the report uses it.**" if pr["complete"] else
-                "the tuning here has not finished, so it is **reported at that prior best**.")]
-        lines.append("")
-    lines += ["## At the budget (reporting seeds)", "",
-              "| optimizer | matrix lr | weight decay | val loss (mean ± std) | Δ vs AdamW (paired, ± 95% t) | "
-              "tokens to AdamW's loss (seed mean) | speedup (seed mean) | speedup per seed (± 95% t) | state MiB | "
-              "per seed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    target_mean = C.get(P.BASELINE, {}).get("mean")
-    for c, t in C.items():
-        runs = t.get("runs", [])
-        loss = f"{t['mean']:.4f} ± {t['std']:.4f}" if P.finite(t.get("mean")) else "not run"
-        if P.finite(t.get("mean")) and t.get("n") != len(runs):
-            loss += f" (n={t['n']})"
-        delta = _delta_cell(t.get("gap") or {})
-        reach = t.get("tokens_to_target")
-        reach_s, speed = _reach_cells(reach, t.get("speedup"), t.get("n", 0) > 0 and P.finite(target_mean))
-        state = f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") else "-"
-        per_seed = ", ".join(f"{r['seed']}: {f(r.get('val_loss'))}" for r in runs)
-        named = P.parse_spec(c)[1].get("weight_decay")  # a label may name its own (the transfer study's stage 5)
-        wd = t.get("best_wd", float(named) if named is not None else s.get("weight_decay"))
-        lines.append(f"| {c} | {f(t.get('best_lr'), '{:g}')} | {f(wd, '{:g}')} | {loss} | {delta} | {reach_s} | "
-                     f"{speed} | {_speedup_cell(t.get('speedup_paired'))} | {state} | {per_seed} |")
-    pairs = [(c, t["vs_family"]) for c, t in C.items() if t.get("vs_family")]
-    if pairs:
-        lines += ["", "## Each GWT family against the optimizer it transforms (reporting seeds)", "",
-                  "| optimizer | against | Δ (paired, ± 95% t) | tokens to its loss (seed mean) | speedup | "
-                  "speedup per seed (± 95% t) |", "|---|---|---:|---:|---:|---:|"]
-        for c, v in pairs:
-            gap, reach, speedup = v["gap"], v["tokens_to_target"], v["speedup"]
-            reach_s, speed = _reach_cells(reach, speedup, bool(C[c].get("n")) and P.finite(C[v["base"]].get("mean")))
-            lines.append(f"| {c} | {v['base']} | {_delta_cell(gap)} | {reach_s} | {speed} | "
-                         f"{_speedup_cell(v.get('speedup_paired'))} |")
-    M = B.get("match") or {}
-    if M.get("points"):
-        lines += ["", f"## Data to match: the budget at which AdamW's final loss equals each contender's (seeds "
-                  f"{M.get('seeds')})", "",
-                  "AdamW at its best (lr, beta2, wd), each budget on its own schedule: " + ", ".join(
-                      f"{x / 1e6:.2f}M tokens: {f(l)}" for x, l in M["points"]) + ".", "",
-                  "| optimizer | AdamW's budget to match | ratio to the budget | how |", "|---|---:|---:|---|"]
-        for c, t in C.items():
-            d = t.get("data_to_match") or {}
-            lines.append(f"| {c} | " + (f"{d['tokens'] / 1e6:.2f}M | {d['ratio']:.2f}× | {d['how']} |"
-                                        if d.get("tokens") else "- | - | - |"))
-    defaults = [(c, t["default"]) for c, t in C.items() if t.get("default")]
-    if defaults:
-        lines += ["", "## The default (`detail_clip=0.5`) against its bar (reporting seeds)", "",
-                  f"It stays only if at the budget it is no worse than the paper's update (Δ ≤ 0) and no worse than "
-                  f"tuned AdamW + {DEFAULT_MARGIN} nats: on the mean, and not significantly (the paired Δ's 95% "
-                  f"t-interval does not lie wholly above the bar). \"shown\": the whole interval lies at or below it.",
-                  "", "| default | against | Δ (paired, ± 95% t) | bar | verdict |", "|---|---|---:|---:|---|"]
-        for c, d in defaults:
-            lines += [f"| {c} | {d['paper']} | {_delta_cell(d['vs_paper'])} | ≤ 0 | {d['bars']['paper'] or '-'} |",
-                      f"| {c} | {P.BASELINE} | {_delta_cell(C[c].get('gap') or {})} | ≤ +{DEFAULT_MARGIN} | "
-                      f"{d['bars']['adamw'] or '-'} |"]
-            verdict = {True: "**the default stays**", False: "**the bar is not met: re-decide the default**",
-                       None: f"not decided: the best lr of {' and '.join(d['edge'])} is on its grid's edge"
-                       if d.get("edge") else "not decided yet (runs missing)"}[d["stays"]]
-            lines += ["", f"{c}: {verdict}."]
-    g = B.get("gates", {})
-    ga, gb = g.get("a", {}), g.get("b", {})
-    lines += ["", "## Sanity gates", "",
-              "(a) best lr inside its grid: " + (", ".join(
-                  f"{c} {_gate_a_word(ok, C.get(c, {}))}"
-                  for c, ok in ga.items()) or "-"),
-              f"(b) AdamW's trained matrices beat frozen ones (matrix lr {FROZEN_LR:g}) by ≥ {gb.get('need')} nats: "
-              f"trained {f(gb.get('trained'))}, frozen {f(gb.get('frozen'))}, margin {f(gb.get('margin'))} — "
-              + ("pass" if gb.get("pass") else "not decided yet (a run has not finished)" if gb.get("waiting")
-                 else "**FAIL**" if gb.get("ran") else "not run yet"),
-              "", "A contender that fails gate (a) is reported as failing, not as a result: its grid needs "
-              "extending.", "", _code_line(B), "",
-              f"Runs: {B.get('counts')}; wall {report.get('wall_s', 0):.0f} s, {report['jobs']} job(s) x "
-              f"{report['threads']} thread(s). Environment: {env.get('gpu') or env.get('cpu')} "
-              f"({env.get('cpu_count')} cores), python {env.get('python')}, torch {env.get('torch')}, gwt-optim "
-              f"{env.get('gwt_optim')}, commit {env.get('git_commit')}.", f"Command: `{report['command']}`"]
-    return "\n".join(lines) + "\n"
-
-
-def _axes(width: float = 7, panels: int = 1):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, panels, figsize=(width, 4.5))
-    return plt, fig, ax
-
-
-def _save(plt, fig, ax, *, lo: float | None, span: float, title: str, legend_size: int, paths: Sequence[Path],
-          legend_outside: bool = False):
-    """Loss against tokens, the y range from the lowest loss up ``span`` nats, written to every path."""
-    ax.set_xlabel("training tokens (M)")
-    ax.set_ylabel("validation loss")
-    if lo is not None:
-        ax.set_ylim(lo - 0.05, lo + span)
-    ax.set_title(title)
-    if legend_outside:  # a whole study's runs: a legend inside would cover the curves
-        ncol = 1 + len(ax.get_legend_handles_labels()[1]) // 24
-        ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, ncol=ncol)
-    else:
-        ax.legend(fontsize=legend_size)
-    fig.tight_layout()
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(p, dpi=110, bbox_inches="tight" if legend_outside else None)
-    plt.close(fig)
-
-
-def plot(report: dict[str, Any], paths: Sequence[Path]) -> None:
-    """Left: each contender's seed-mean validation curve. Right: its paired Δ to AdamW along the run, the
-    mean over seeds with its 95% t band (end-of-run gaps of hundredths of a nat are invisible on the left)."""
+    """budget.md (``_report.budget_markdown``), with this study's bars and gate (a)'s words."""
     B = report["budget"]
-    plt, fig, (ax, dax) = _axes(13, panels=2)
-    base_runs = B["contenders"].get(P.BASELINE, {}).get("runs", [])
-    late: list[float] = []  # |Δ| + band over each run's second half, where the ranking settles
-    for c, t in B["contenders"].items():
-        curve = mean_curve([r for r in t.get("runs", []) if r.get("status") not in _UNFINISHED])
-        if not curve:
-            continue
-        line, = ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], label=f"{c} (lr {t.get('best_lr'):g})")
-        delta = paired_delta_curve(t.get("runs", []), base_runs) if c != P.BASELINE else []
-        if not delta:
-            continue
-        xs, m = [x / 1e6 for x, _ in delta], [d["mean"] for _, d in delta]
-        h = [d["half"] or 0.0 for _, d in delta]
-        dax.plot(xs, m, color=line.get_color(), label=f"{c} (n={delta[-1][1]['n']})")
-        dax.fill_between(xs, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)],
-                         color=line.get_color(), alpha=0.15, lw=0)
-        late += [abs(a) + b for a, b in zip(m[len(m) // 2:], h[len(h) // 2:])]
-    dax.axhline(0.0, color="grey", lw=0.8, ls="--")
-    dax.set_xlabel("training tokens (M)")
-    dax.set_ylabel("val loss − AdamW's, same seed")
-    dax.set_title("paired Δ vs AdamW (band: 95% t over seeds)")
-    if late and max(late) > 0:  # early gaps (tenths of a nat) would flatten late ones (hundredths): off the panel
-        dax.set_ylim(-1.2 * max(late), 1.2 * max(late))
-        dax.legend(fontsize=8)
-    fr = B.get("frozen") or {}
-    for r in fr.get("runs", []):
-        if r.get("curve"):
-            ax.plot([x / 1e6 for x, _ in r["curve"]], [y for _, y in r["curve"]], "k:", label="adamw, frozen matrices")
-    base = B["contenders"].get(P.BASELINE, {})
-    if P.finite(base.get("mean")):
-        ax.axhline(base["mean"], color="grey", lw=0.8, ls="--")
-    lo = min((y for t in B["contenders"].values() for r in t.get("runs", []) for _, y in r.get("curve") or []),
-             default=None)
-    _save(plt, fig, ax, lo=lo, span=1.5, legend_size=8, paths=paths,
-          title=f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds {B['report_seeds']}")
+    C = B["contenders"]
+    return R.budget_markdown(report, margin=DEFAULT_MARGIN, frozen_lr=FROZEN_LR, code=_code_line(B),
+                             gate_words={c: _gate_a_word(ok, C.get(c, {}))
+                                         for c, ok in B.get("gates", {}).get("a", {}).items()})
 
+
+def plot_series(report: dict[str, Any]) -> dict[str, Any]:
+    """What ``_report.plot_budget`` draws: each contender's seed-mean validation curve over its finished runs
+    and its paired Δ to AdamW along the run, the frozen-matrix runs' curves, AdamW's mean final loss and the
+    lowest validation loss of any run."""
+    B = report["budget"]
+    C = B["contenders"]
+    base_runs = C.get(P.BASELINE, {}).get("runs", [])
+    lines = []
+    for c, t in C.items():
+        curve = mean_curve([r for r in t.get("runs", []) if r.get("status") not in _UNFINISHED])
+        if curve:
+            lines.append({"label": c, "lr": t.get("best_lr"), "curve": curve,
+                          "delta": paired_delta_curve(t.get("runs", []), base_runs) if c != P.BASELINE else []})
+    base = C.get(P.BASELINE, {})
+    return {"lines": lines,
+            "frozen": [r["curve"] for r in (B.get("frozen") or {}).get("runs", []) if r.get("curve")],
+            "baseline": base["mean"] if P.finite(base.get("mean")) else None,
+            "lo": min((y for t in C.values() for r in t.get("runs", []) for _, y in r.get("curve") or []),
+                      default=None),
+            "title": f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds "
+                     f"{B['report_seeds']}"}
 
 def run_folders(out: Path):
     """(stage, run folder, its config) of every run under ``out`` (``OUT/STAGE/runs/tokens.../seedN/RUN``),
@@ -1012,9 +823,12 @@ def run_folders(out: Path):
         yield cfg_path.parts[-6], cfg_path.parent, json.loads(cfg_path.read_text())
 
 
-def progress_table(out: Path) -> str:
+
+
+def progress_rows(out: Path) -> list[tuple]:
     """Every run under ``out`` with its steps and last validation, finished or cut short: the interim
-    record of a grid that spans sessions (runs still in flight included)."""
+    record of a grid that spans sessions (runs still in flight included). Each row: (stage, spec, matrix lr,
+    seed, steps done, steps, the last validation's record or None, finished)."""
     from gwt_optim.toolkit.metrics import read_jsonl
 
     rows = []
@@ -1024,46 +838,31 @@ def progress_table(out: Path) -> str:
         done = max((int(r["step"]) for r in recs if "step" in r), default=0)
         rows.append((stage, cfg["optimizer"], cfg["lr"], cfg["seed"], done, cfg["steps"],
                      vals[-1] if vals else None, (run / "summary.json").is_file()))
-    lines = ["| stage | spec | matrix lr | seed | steps done | last validation (step: loss) | finished |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    for stage, spec, lr, seed, done, steps, last, fin in rows:
-        v = f"{last['step']}: {last['val_loss']:.4f}" if last else "-"
-        lines.append(f"| {stage} | `{spec}` | {lr:g} | {seed} | {done} / {steps} | {v} | {'yes' if fin else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return rows
 
 
-def plot_progress(out: Path, paths: Sequence[Path], tokens_per_step: int) -> None:
-    """Every run's validation curve so far (tuning runs included): the interim picture."""
-    plt, fig, ax = _axes(width=12)
-    lo = None
-    for stage, run, cfg in run_folders(out):
-        curve = read_curve(run, tokens_per_step)
-        if not curve:
-            continue
-        name, opts = P.parse_spec(cfg["optimizer"])
-        name += (" (paper)" if opts.get("detail_clip") == "none" else "") + (
-            f", β2 {opts['beta2']}" if "beta2" in opts else "")
-        ax.plot([x / 1e6 for x, _ in curve], [y for _, y in curve], ls="-" if stage == "report" else "--",
-                label=f"{name}, lr {cfg['lr']:g}, {stage} seed {cfg['seed']}")
-        lo = min([y for _, y in curve] + ([lo] if lo is not None else []))
-    _save(plt, fig, ax, lo=lo, span=1.0, legend_size=6, paths=paths, legend_outside=True,
-          title="budget study so far: every run's validation loss")
+def progress_table(out: Path) -> str:
+    """``--progress``'s table (``_report.progress_markdown``) of :func:`progress_rows`."""
+    return R.progress_markdown(progress_rows(out))
+
+
+def progress_curves(out: Path, tokens_per_step: int) -> list[tuple[str, dict[str, Any], list[tuple[int, float]]]]:
+    """(stage, config, validation curve) of every run under ``out`` that has validated."""
+    return [(stage, cfg, curve) for stage, run, cfg in run_folders(out) if (curve := read_curve(run, tokens_per_step))]
 
 
 def main(argv: list[str] | None, description: str) -> int:
-    import os
-
     start = time.monotonic()
     args = build_parser(description).parse_args(argv)
+    out = Path(args.out)
     if args.progress:  # the interim record: a table, and the curves in OUT/progress.png and beside --plot
-        print(progress_table(Path(args.out)), end="")
+        print(progress_table(out), end="")
         # Beside the results plot, never over it: --progress runs mid-study, when that plot is the last result.
         beside = [Path(args.plot).with_name("budget-progress.png")] if args.plot else []
-        plot_progress(Path(args.out), [Path(args.out) / "progress.png"] + beside, args.tokens_per_step)
+        R.plot_progress(progress_curves(out, args.tokens_per_step), [out / "progress.png"] + beside)
         return 0
-    from gwt_optim.toolkit.metrics import environment
-    from gwt_optim.toolkit.train import TrainConfig
-
+    driver = Driver("budget", "quality.py --budget", "quality.py", out, args.jobs,
+                    threads_for(args.jobs, args.threads), commit=args.commit, report_only=args.report_only)
     try:
         parse_tokens(args.budget)
         grids_of(args)
@@ -1073,60 +872,38 @@ def main(argv: list[str] | None, description: str) -> int:
         weight_decays_of(args.weight_decays, args.weight_decay)
         match_fractions_of(args.match_budgets)
         match_seeds_of(args.match_seeds, P.ints(args.report_seeds))
-        base = TrainConfig.from_dict({
-            "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
-            "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
-            "schedule": args.schedule, "decay": args.decay, "decay_shape": args.decay_shape,
-            "grad_clip": args.grad_clip, "weight_decay": 0.0, "scale": 1.0,  # weight decay: in the specs (wd_spec)
-            "device": args.device, "precision": args.precision, "keep_last": 1}).validate().to_dict()
     except ValueError as exc:
-        print(f"quality.py --budget: error: {exc}", file=sys.stderr)
+        driver.error(exc)
         return 2
-    base = {k: v for k, v in base.items()
-            if k not in ("optimizer", "lr", "seed", "out", "progress", "batch_size", "micro_batch_size", "steps")}
-    print(f"preparing the {args.data} data (tokenizer, token cache) ...", flush=True)
-    try:
-        data = P.prepare_data(base)
-    except Exception as exc:  # noqa: BLE001 - e.g. DataUnavailable offline
-        print(f"quality.py --budget: error: cannot prepare --data {args.data}: {exc}", file=sys.stderr)
+    base = driver.setting({
+        "model": args.model, "data": args.data, "tokenizer": "bpe", "vocab_size": args.vocab_size,
+        "seq_len": args.seq_len, "val_tokens": args.val_tokens, "warmup": args.warmup,
+        "schedule": args.schedule, "decay": args.decay, "decay_shape": args.decay_shape,
+        "grad_clip": args.grad_clip, "weight_decay": 0.0, "scale": 1.0,  # weight decay: in the specs (wd_spec)
+        "device": args.device, "precision": args.precision, "keep_last": 1})
+    if base is None:
+        return 2
+    data = driver.data(base, prepare_data, lambda exc: f"quality.py --budget: error: cannot prepare --data "
+                                                       f"{args.data}: {exc}")
+    if data is None:
         return 2
     need = parse_tokens(args.budget) // args.tokens_per_step * args.tokens_per_step
     if need > data["train_tokens"]:
-        print(f"quality.py --budget: error: {need:,} tokens is more than one epoch of {args.data} "
-              f"({data['train_tokens']:,})", file=sys.stderr)
+        driver.error(f"{need:,} tokens is more than one epoch of {args.data} ({data['train_tokens']:,})")
         return 2
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
-    args.threads = threads
-    env = environment()
-    if args.commit:
-        env["git_commit"] = args.commit
-    with contextlib.ExitStack() as held:
-        if not args.report_only and not P.lock_out(held, Path(args.out), "quality.py --budget"):
-            return 2  # one writer of --out at a time
-        return _run_and_report(args, argv, base, data, env, threads, start)
-
-
-def _run_and_report(args, argv: list[str] | None, base: dict[str, Any], data: dict[str, Any], env: dict[str, Any],
-                    threads: int, start: float) -> int:
-    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
-
-    t0 = time.monotonic()
-    budget = run(args, base, data["train_windows"], start)
-    report = {"command": shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)]),
-              "environment": env, "setting": base, "train_tokens": data["train_tokens"],
-              "beta2s": P.floats(args.beta2s), "jobs": args.jobs, "threads": threads, "budget": budget,
-              "wall_s": time.monotonic() - t0}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    md = render(report)
-    print("\n" + md)
-    atomic_write_json(out / "budget.json", report)
-    atomic_write_text(out / "budget.md", md)
+    args.threads = driver.threads  # each stage's runner reads it
     paths = [out / "loss-vs-tokens.png"] + ([Path(args.plot)] if args.plot else [])
-    try:
-        plot(report, paths)
-    except Exception as exc:  # noqa: BLE001 - the tables are written
-        print(f"plot failed ({type(exc).__name__}: {exc})")
-    print(f"wrote {out / 'budget.md'}, {out / 'budget.json'} and {paths[0]}")
-    done = all(t.get("n") == len(t.get("runs", [])) and t.get("runs") for t in budget["contenders"].values())
-    return 0 if done else 1
+
+    def draw(report: dict[str, Any]) -> None:
+        try:
+            R.plot_budget(plot_series(report), paths)
+        except Exception as exc:  # noqa: BLE001 - the tables are written
+            print(f"plot failed ({type(exc).__name__}: {exc})")
+
+    def done(report: dict[str, Any]) -> int:
+        C = report["budget"]["contenders"]
+        return 0 if all(t.get("n") == len(t.get("runs", [])) and t.get("runs") for t in C.values()) else 1
+
+    return driver.run(argv, base, before={"train_tokens": data["train_tokens"], "beta2s": P.floats(args.beta2s)},
+                      runs=lambda: {"budget": run(args, base, data["train_windows"], start)}, render=render,
+                      draw=draw, also=paths[:1], outcome=done)

@@ -29,16 +29,16 @@ identical runs of different studies are run once. Finished runs are reused
 with ``--resume`` when their ``config.json`` is identical, and are never
 deleted: a finished run whose configuration differs is moved aside to
 ``NAME.old<k>``. One process writes ``--out`` at a time (it is locked).
+
+This module is the protocol's logic; the study driver (``_study.py``) runs it and writes its report, which
+``_report.py`` lays out (tables, verdicts, the regime plot).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -47,17 +47,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+if str(Path(__file__).resolve().parent) not in sys.path:  # its siblings, however it was loaded
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gwt_optim.toolkit import runner as _runner  # noqa: E402
-from gwt_optim.toolkit.signals import abort_on_signals  # noqa: E402
+import _report as R  # noqa: E402
+from _study import BASELINE, ROOT, Driver, finite, fmt_lr, prepare_data, threads_for  # noqa: E402
+
 from gwt_optim.registry import format_spec  # noqa: E402
 from gwt_optim.registry import split_spec as parse_spec  # noqa: E402
-from gwt_optim.toolkit.runner import lock_out, same_config  # noqa: E402,F401 - same_config: for callers
+from gwt_optim.toolkit import runner as _runner  # noqa: E402
+from gwt_optim.toolkit.runner import same_config  # noqa: E402,F401 - same_config: for callers
+from gwt_optim.toolkit.signals import abort_on_signals  # noqa: E402
 
-BAR_NATS = 0.03
 # Starts at 1e-4: on the demo at 8K tokens per step AdamW's matrices were
 # still improving at 1e-4 with the regular lr at 3e-3 (docs/results/cpu-2k-8k.md).
 DEFAULT_LRS = "1e-4,3e-4,1e-3,3e-3,1e-2,3e-2"
@@ -71,17 +72,12 @@ REGIME_EPS = "1e-8,1e-6"
 DEFAULT_EPS = 1e-8  # TrainConfig's
 PAPER_ALPHA = 0.25
 VIEWS = ("fair", "paper")
-BASELINE = "adamw"
 PLOT_PATH = ROOT / "docs" / "images" / "gap-vs-batch.png"
 
 
 # --------------------------------------------------------------------------- #
 # Specs
 # --------------------------------------------------------------------------- #
-
-
-def fmt_lr(lr: float) -> str:
-    return f"{lr:g}"
 
 
 def paper_alpha(name: str) -> float:
@@ -181,10 +177,6 @@ def cap_steps(windows: int, batch_size: int, *, epochs: float = 1.0,
     return n, n * batch_size / windows, steps is not None and steps > budget
 
 
-def finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def mean_std(xs: Sequence[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if finite(x)]
     if not xs:
@@ -276,13 +268,6 @@ def folder_suffix(setting: Setting) -> str:
         suffix += "-data-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(base["data"]).name)
     return suffix
 
-
-def schedule_phrase(setting: dict[str, Any]) -> str:
-    from gwt_optim.toolkit.schedules import describe
-
-    return describe(setting.get("schedule", "cosine"), setting.get("warmup"),
-                    min_ratio=setting.get("min_lr_ratio", 0.1), decay=setting.get("decay", 0.2),
-                    decay_shape=setting.get("decay_shape", "1-sqrt"))
 
 
 class Runner(_runner.Runner):
@@ -436,142 +421,6 @@ def _first_error(results: dict[Job, dict], jobs: list[Job]) -> str:
 
 
 # --------------------------------------------------------------------------- #
-# Reporting (pure functions of the JSON, so tables and plots regenerate without training)
-# --------------------------------------------------------------------------- #
-
-
-def _f(x: Any, fmt: str = "{:.4f}", none: str = "-") -> str:
-    return fmt.format(x) if finite(x) else none
-
-
-def study_tables(s: dict[str, Any]) -> list[str]:
-    lrs = s["lrs"]
-    view, T = s["view"], s["tokens_per_step"]
-    reg = s.get("regular_lr")
-    head = (f"### {view} view, {T} tokens per step ({s.get('batch_size')} x {s.get('seq_len')}"
-            + (f", micro-batch {s['micro_batch_size']}" if s.get("micro_batch_size") else "")
-            + f"), {s.get('steps')} steps, {_f(s.get('epochs'), '{:.3f}')} epoch")
-    lines = [head, ""]
-    if view == "fair":
-        lines += [f"Regular lr (embeddings, head, norms, biases; AdamW over the whole model, alpha 1, tuning seeds "
-                  f"{s['tune_seeds']}): **{_f(reg, '{:g}')}**" + (" (at the edge of the grid)" if s.get(
-                      "regular_edge") else ""), "",
-                  "| AdamW, whole model | " + " | ".join(f"lr {fmt_lr(lr)}" for lr in lrs) + " |",
-                  "|---|" + "---:|" * len(lrs),
-                  "| val loss | " + " | ".join(_bold(_f(s.get("regular_grid", {}).get(fmt_lr(lr))),
-                                                     lr == reg) for lr in lrs) + " |", ""]
-    if s.get("error"):
-        return lines + [f"**{s['error']}**", ""]
-    what = "matrix lr" if view == "fair" else "lr"
-    lines += [f"Tuning ({what}; validation loss, mean over tuning seeds {s['tune_seeds']}; best in bold):", "",
-              "| optimizer | " + " | ".join(f"lr {fmt_lr(lr)}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
-    for c, t in s["contenders"].items():
-        cells = []
-        for lr in lrs:
-            v = t.get("grid", {}).get(fmt_lr(lr))
-            st = [x for x in t.get("grid_status", {}).get(fmt_lr(lr), []) if x != "ok"]
-            cells.append(_bold(_f(v), lr == t.get("best_lr")) if finite(v) else (st[0] if st else "-"))
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    lines += ["", f"Reported at the best lr, seeds {s['report_seeds']}:", "",
-              "| optimizer | view | tokens/step | steps | α | matrix lr | regular lr | val loss (mean ± std) | "
-              "Δ vs AdamW (paired, nats) | state MiB | per seed |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for c, t in s["contenders"].items():
-        runs = t.get("runs", [])
-        loss = (f"{t['mean']:.4f} ± {t['std']:.4f}" + (f" (n={t['n']})" if t.get("n") != len(runs) else "")
-                if finite(t.get("mean")) else t.get("status", "failed"))
-        gap = t.get("gap")
-        delta = "-" if not gap or not finite(gap.get("mean")) else f"{gap['mean']:+.4f} ± {gap['std']:.4f}"
-        per_seed = ", ".join(f"{r['seed']}: " + (_f(r.get("val_loss")) if finite(r.get("val_loss"))
-                                                 else str(r.get("status"))) for r in runs)
-        state = _f(t["state_bytes"] / 2**20, "{:.2f}") if t.get("state_bytes") is not None else "-"
-        reg_cell = _f(reg, "{:g}") if view == "fair" else "(= lr)"
-        lines.append(f"| {c} | {view} | {T} | {s.get('steps')} | {t.get('alpha', 1):g} | "
-                     f"{_f(t.get('best_lr'), '{:g}')} | {reg_cell} | {loss} | {delta} | {state} | {per_seed} |")
-    return lines + [""]
-
-
-def _bold(text: str, on: bool) -> str:
-    return f"**{text}**" if on and text != "-" else text
-
-
-def verdicts(s: dict[str, Any]) -> list[str]:
-    """The bar (GWT-AdamW level 2 within AdamW + 0.03 nats; better than GaLore at <= state), remedies, grid edges."""
-    if s.get("error"):
-        return []
-    C = s["contenders"]
-    tag = f"{s['view']}, {s['tokens_per_step']} tokens/step"
-    out = []
-    gwt = C.get("gwt-adamw:level=2")
-    if gwt and gwt.get("gap") and finite(gwt["gap"].get("mean")):
-        g = gwt["gap"]
-        out.append(f"- [{tag}] GWT-AdamW level 2 vs AdamW: {g['mean']:+.4f} ± {g['std']:.4f} nats over {g['n']} "
-                   f"seeds ({'meets' if g['mean'] <= BAR_NATS else 'MISSES'} the bar of +{BAR_NATS}).")
-    galore = next((t for c, t in C.items() if c.startswith("galore")), None)
-    if gwt and galore and finite(gwt.get("mean")) and finite(galore.get("mean")) and gwt.get("state_bytes") \
-            and galore.get("state_bytes"):
-        ok = gwt["mean"] < galore["mean"] and gwt["state_bytes"] <= galore["state_bytes"]
-        out.append(f"- [{tag}] GWT-AdamW level 2 vs GaLore: {gwt['mean'] - galore['mean']:+.4f} nats at "
-                   f"{gwt['state_bytes'] / 2**20:.2f} vs {galore['state_bytes'] / 2**20:.2f} MiB of state "
-                   f"({'meets' if ok else 'MISSES'} the bar: better at equal or lower memory).")
-    for c, t in C.items():  # remedies: a GWT spec with options beyond its level, against that level's plain spec
-        name, opts = parse_spec(c)
-        # a remedy is measured against the paper's update at its level
-        base = format_spec(name, {"level": opts["level"], "detail_clip": "none"}) if "level" in opts else None
-        if base is not None and base not in C:
-            base = format_spec(name, {"level": opts["level"]})
-        if not name.startswith("gwt-") or base is None or base == c or base not in C:
-            continue
-        b, r = C[base].get("gap") or {}, t.get("gap") or {}
-        if finite(b.get("mean")) and finite(r.get("mean")):
-            closed = f"{(b['mean'] - r['mean']) / b['mean']:.0%} of" if b["mean"] > 0 else "n/a (no gap in)"
-            out.append(f"- [{tag}] {c}: gap {r['mean']:+.4f} vs {b['mean']:+.4f} for {base}; closes {closed} "
-                       f"{base}'s gap to AdamW.")
-    edges = [c for c, t in C.items() if t.get("edge")] + (["regular lr"] if s.get("regular_edge") else [])
-    if edges:
-        out.append(f"- [{tag}] best lr at the edge of the grid for: {', '.join(edges)} (widen --lrs to be sure).")
-    bad = [f"{c} ({t.get('status')}: {t.get('error', '')})" for c, t in C.items() if t.get("status") != "ok"]
-    if bad:
-        out.append(f"- [{tag}] incomplete: " + "; ".join(bad))
-    return out
-
-
-def render(report: dict[str, Any], title: str) -> str:
-    env, setting = report.get("run_environment") or report.get("environment", {}), report.get("setting", {})
-    lines = [f"# {title}", "",
-             f"Setting: `{setting.get('model')}` with a {setting.get('vocab_size')}-token BPE on the "
-             f"`{setting.get('data')}` corpus ({report.get('train_tokens')} training tokens, "
-             f"{report.get('train_windows')} sequences of {setting.get('seq_len')} = one epoch), "
-             f"{schedule_phrase(setting)}, precision "
-             f"{setting.get('precision')}, device {setting.get('device')}. Token budget: "
-             + (f"{report.get('epochs'):g} epoch" if report.get("steps_override") is None
-                else f"{report['steps_override']} steps, capped at one epoch")
-             + ", the same for every batch size, so a larger batch takes fewer steps. "
-             f"lr grid {report.get('lrs')} for every contender; tuning seeds {report.get('tune_seeds')}, "
-             f"reporting seeds {report.get('report_seeds')} (mean ± sample std).", "",
-             "Views: **fair** = matrix-only fairness (embeddings, head, norms and biases on AdamW at one regular lr, "
-             "tuned once for AdamW; only the attention and MLP matrices change optimizer, at a matrix lr from the "
-             "grid with alpha 1). **paper** = one lr for all parameters, alpha 0.25 on the matrices for the GWT "
-             "families and GaLore, 1 for the rest. Δ vs AdamW is the mean ± std of the per-seed differences to "
-             "AdamW of the same view and batch (same seed: same initial weights and data order).", ""]
-    studies = report.get("studies", [])
-    for s in studies:
-        lines += study_tables(s)
-    v = [line for s in studies for line in verdicts(s)]
-    if v:
-        lines += ["## Verdicts", "", *v, ""]
-    lines += [f"Runs: {report.get('counts')}; wall {report.get('wall_s', 0):.0f} s with {report.get('jobs')} "
-              f"job(s) x {report.get('threads')} thread(s).", "",
-              f"Environment of the runs: {env.get('gpu') or env.get('cpu')} ({env.get('cpu_count')} CPU cores, "
-              f"device {env.get('device', setting.get('device'))}, {env.get('autocast', '')}); python "
-              f"{env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), transformers "
-              f"{env.get('transformers')}, bitsandbytes {env.get('bitsandbytes')}, galore-torch "
-              f"{env.get('galore-torch')}, gwt-optim {env.get('gwt_optim')}; commit {env.get('git_commit')}.",
-              f"Command: `{report.get('command')}`"]
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- #
 # The regime plot
 # --------------------------------------------------------------------------- #
 
@@ -593,63 +442,6 @@ def regime_points(reports: Sequence[dict[str, Any]], specs: Sequence[str] | None
                 if finite(g.get("mean")):
                     pts.setdefault(c, {})[int(s["tokens_per_step"])] = (g["mean"], g.get("std") or 0.0)
     return {c: sorted((T, m, sd) for T, (m, sd) in d.items()) for c, d in pts.items()}
-
-
-def _plot_label(spec: str) -> str:
-    name, opts = parse_spec(spec)
-    if name == "gwt-adamw" and set(opts) <= {"level", "eps", "detail_clip"}:
-        mode = "paper" if opts.get("detail_clip") == "none" else f"clip {opts.get('detail_clip', '0.5')}"
-        return f"GWT-AdamW level {opts.get('level', 2)}, {mode}, ε {opts.get('eps', '1e-8')}"
-    return spec
-
-
-def plot_regime(points: dict[str, list[tuple[int, float, float]]], path: Path, *, title: str = "") -> Path | None:
-    """Gap to AdamW (nats) against tokens per step (log2), one line per spec, the bar at +0.03."""
-    if not points:
-        print("regime plot: no fair-view gaps to plot", flush=True)
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("regime plot skipped: matplotlib is not installed; regenerate it with --plot-only", flush=True)
-        return None
-    colors = {"1": "tab:blue", "2": "tab:orange", "3": "tab:green"}
-    extra_colors = iter(["tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"] * 4)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=130)
-    all_T = sorted({T for pts in points.values() for T, _, _ in pts})
-    n = len(points)
-    for i, (spec, pts) in enumerate(sorted(points.items())):
-        name, opts = parse_spec(spec)
-        paper = name == "gwt-adamw" and opts.get("detail_clip") == "none" and set(opts) <= {"level", "eps",
-                                                                                             "detail_clip"}
-        default = name == "gwt-adamw" and set(opts) <= {"level"}  # the library default: detail_clip 0.5
-        plain = paper or default
-        color = colors.get(opts.get("level", "2"), "black") if plain else next(extra_colors)
-        style = ("--" if "eps" in opts else "-") if paper else ":"
-        # a small horizontal offset keeps overlapping error bars apart
-        xs = [T * 2 ** (0.04 * (i - (n - 1) / 2)) for T, _, _ in pts]
-        ax.errorbar(xs, [m for _, m, _ in pts], yerr=[sd for _, _, sd in pts], color=color, linestyle=style,
-                    marker="o" if plain else "s", markersize=4, capsize=3, linewidth=1.4, label=_plot_label(spec))
-    ax.axhline(BAR_NATS, color="black", linewidth=1, linestyle="-.", label=f"bar: AdamW + {BAR_NATS}")
-    ax.axhline(0.0, color="gray", linewidth=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(all_T)
-    ax.set_xticklabels([f"{T // 1024}K" if T % 1024 == 0 else str(T) for T in all_T])
-    ax.set_xlabel("tokens per optimizer step (log2)")
-    ax.set_ylabel("val loss − AdamW's (nats), mean ± std over seeds")
-    ax.set_title(title or "GWT's gap to AdamW against batch size (fair view)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"regime plot: {path}", flush=True)
-    return path
 
 
 def load_reports(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -745,15 +537,6 @@ def make_studies(args) -> list[Study]:
     return [Study(v, T, with_baseline(c)) for (v, T), c in cells.items()]
 
 
-def prepare_data(base: dict[str, Any]) -> dict[str, Any]:
-    """Train the tokenizer and tokenize the corpus once (cached for every run); the epoch's size."""
-    from gwt_optim.toolkit.data import build_data
-
-    data = build_data(base["data"], seq_len=base["seq_len"], val_tokens=base["val_tokens"], seed=0,
-                      tokenizer=base["tokenizer"], vocab_size=base["vocab_size"], progress=False)
-    return {"train_tokens": data.info["train_tokens"], "train_windows": data.info["train_windows"],
-            "tokenizer": data.tokenizer}
-
 
 def preflight(specs: Iterable[str], base: dict[str, Any], tokenizer) -> dict[str, str]:
     """Build each spec's optimizer once on the model (CPU) so a typo, an option the registry does not know or a
@@ -829,12 +612,6 @@ def plan_jobs(studies: list[Study], runner: Runner, *, lrs, tune_seeds, report_s
 def main(argv: list[str] | None, *, mode: str, description: str) -> int:
     start = time.monotonic()
     args = build_parser(description, mode=mode).parse_args(argv)
-    with contextlib.ExitStack() as held:  # the lock of --out, once runs may start
-        return _main(args, argv, mode=mode, start=start, held=held)
-
-
-def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start: float,
-          held: contextlib.ExitStack) -> int:
     out = Path(args.out)
     name = "regime" if mode == "regime" else "quality"
     plot_paths = [out / "gap-vs-batch.png"] + ([Path(args.plot)] if args.plot else [])
@@ -847,10 +624,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
         specs = sorted({c for r in reports for c in (r.get("regime") or {}).get("specs", [])}) or None
         points = regime_points(reports, specs)
         for pp in plot_paths:
-            plot_regime(points, pp)
+            R.plot_regime(points, pp)
         return 0 if points else 2
 
-    from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text, environment
     from gwt_optim.toolkit.recipes import DEMO
     from gwt_optim.toolkit.train import TrainConfig
 
@@ -866,32 +642,26 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
         if not torch.cuda.is_available():
             print("--device cuda: torch sees no CUDA GPU here", file=sys.stderr)
             return 2
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    driver = Driver(name, f"{name}.py", f"{name}.py", out, args.jobs, threads_for(args.jobs, args.threads),
+                    commit=args.commit, report_only=args.report_only, packages=("bitsandbytes", "galore-torch"))
     known = set(TrainConfig().to_dict())
     base = {**{k: v for k, v in DEMO.items() if k in known}, "device": args.device, "precision": args.precision,
             "grad_clip": args.grad_clip, "weight_decay": args.weight_decay,
             "scale": 1.0}  # as every run folder has it: each spec names its alpha (run_spec)
     # The demo's tokenizer, named explicitly so reused runs match exactly.
     base["tokenizer"] = base.get("tokenizer") or ("bpe" if base.get("data", "demo") == "demo" else "t5-base")
-    try:
-        TrainConfig.from_dict(base).validate()
-    except ValueError as exc:  # a bad --grad-clip or --weight-decay: before any data is prepared
-        print(f"{name}.py: error: {exc}", file=sys.stderr)
+    base = driver.setting(base)  # a bad --grad-clip or --weight-decay: before any data is prepared
+    if base is None:
         return 2
-    base = {k: v for k, v in TrainConfig.from_dict(base).to_dict().items()
-            if k not in ("optimizer", "lr", "seed", "out", "progress", "batch_size", "micro_batch_size", "steps")}
-    print(f"preparing the {base['data']} data (tokenizer, token cache) ...", flush=True)
-    try:
-        data = prepare_data(base)
-    except Exception as exc:  # noqa: BLE001 - e.g. DataUnavailable: the corpus package is missing
-        print(f"cannot prepare the {base['data']} data, so no run could start: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+    data = driver.data(base, prepare_data, lambda exc: f"cannot prepare the {base['data']} data, so no run could "
+                                                       f"start: {type(exc).__name__}: {exc}")
+    if data is None:
         return 2
     setting = Setting(base, data["train_windows"], epochs=args.epochs, steps=args.steps,
                       micro_batch_size=args.micro_batch_size)
     for st in studies:
         st.shape = {**setting.for_tokens(st.tokens), "seq_len": base["seq_len"]}
-    runner = Runner(out, setting, jobs=args.jobs, threads=threads, resume=args.resume,
+    runner = Runner(out, setting, jobs=args.jobs, threads=driver.threads, resume=args.resume,
                     keep_checkpoints=args.keep_checkpoints, deadline=args.deadline, grace=args.grace,
                     offline=args.report_only, start=start)
     print(f"training split: {data['train_tokens']} tokens, {data['train_windows']} sequences of "
@@ -914,30 +684,61 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
                  if runner.unavailable else ""))
         return 0
 
-    if not args.report_only and not lock_out(held, out, f"{name}.py"):  # one writer of --out at a time
-        return 2
-    env = environment(packages=("bitsandbytes", "galore-torch"))
-    if args.commit:
-        env["git_commit"] = args.commit
-    command = shlex.join(["python", f"benchmarks/{name}.py", *(sys.argv[1:] if argv is None else argv)])
-    report: dict[str, Any] = {
-        "command": command, "environment": env, "setting": base, "train_tokens": data["train_tokens"],
-        "train_windows": data["train_windows"], "epochs": args.epochs, "steps_override": args.steps, "lrs": lrs,
-        "tune_seeds": tune_seeds, "report_seeds": report_seeds, "jobs": args.jobs, "threads": threads,
-        "regime": ({"specs": regime_specs(ints(args.levels), specs_arg(args.eps))
-                    + [contender_label(s) for e in args.extra for s in specs_arg(e)],
-                    "tokens": ints(args.regime_tokens)} if args.regime else None),
-        "studies": [],
-    }
-    print(f"{len(studies)} studies: " + "; ".join(f"{s.view} {s.tokens} tok/step ({len(s.contenders)} contenders, "
-                                                  f"{s.shape['steps']} steps)" for s in studies), flush=True)
+    def runs() -> dict[str, Any]:
+        print(f"{len(studies)} studies: " + "; ".join(f"{s.view} {s.tokens} tok/step ({len(s.contenders)} "
+                                                      f"contenders, {s.shape['steps']} steps)" for s in studies),
+              flush=True)
+        results = run_studies(studies, runner, lrs=lrs, tune_seeds=tune_seeds, report_seeds=report_seeds,
+                              gwt_options=args.gwt_options)
+        return {"studies": results, "counts": dict(runner.counts)}
 
-    t0 = time.monotonic()
+    def check(report: dict[str, Any]) -> int | None:
+        """The runs' own environment into the report; 2 where --report-only found no finished run."""
+        results = report["studies"]
+        if runner.run_env is None:  # read one run's environment (versions and device of the runs themselves)
+            for st in results:
+                for t in (st.get("contenders") or {}).values():
+                    for r in t.get("runs", []):
+                        if runner.run_env is None and r.get("status") == "ok":
+                            runner.finished(Job(st["tokens_per_step"], r["spec"], t["best_lr"], r["seed"]))
+        if runner.run_env is not None:
+            report["run_environment"] = {**runner.run_env, **({"git_commit": args.commit} if args.commit else {})}
+        if args.report_only and not any(r.get("status") == "ok" for st in results
+                                        for t in (st.get("contenders") or {}).values() for r in t.get("runs", [])):
+            print(f"--report-only: no finished run in {out} matches these flags; nothing written", file=sys.stderr)
+            return 2
+        return None
+
+    def draw(report: dict[str, Any]) -> None:
+        if not args.regime:
+            return
+        points = regime_points([report], report["regime"]["specs"])
+        for pp in plot_paths:
+            try:
+                R.plot_regime(points, pp)
+            except Exception as exc:  # noqa: BLE001 - the tables are written; a plot can be redrawn
+                print(f"regime plot {pp} failed ({type(exc).__name__}: {exc}); redraw with --plot-only")
+
+    title = ("The regime study: GWT's gap to AdamW against tokens per step" if mode == "regime"
+             else "Quality on the demo: the same lr grid and seeds for every optimizer")
+    return driver.run(
+        argv, base, runs=runs, check=check, draw=draw, render=lambda report: R.protocol_markdown(report, title),
+        before={"train_tokens": data["train_tokens"], "train_windows": data["train_windows"], "epochs": args.epochs,
+                "steps_override": args.steps, "lrs": lrs, "tune_seeds": tune_seeds, "report_seeds": report_seeds},
+        after={"regime": ({"specs": regime_specs(ints(args.levels), specs_arg(args.eps))
+                           + [contender_label(s) for e in args.extra for s in specs_arg(e)],
+                           "tokens": ints(args.regime_tokens)} if args.regime else None), "studies": []})
+
+
+def run_studies(studies: list[Study], runner: Runner, *, lrs: list[float], tune_seeds: list[int],
+                report_seeds: list[int], gwt_options: str) -> list[dict[str, Any]]:
+    """Every study at once on ``runner``'s pool (a signal stops the runs in flight; what finished is reported);
+    a study that raises is a result with its ``error``, so one broken study loses none of the others."""
     with abort_on_signals([runner], "stopping the runs in flight; reporting what finished"):
         try:
             with ThreadPoolExecutor(max_workers=len(studies)) as pool:
                 futures = [pool.submit(run_study, st, runner, lrs=lrs, tune_seeds=tune_seeds,
-                                       report_seeds=report_seeds, gwt_options=args.gwt_options) for st in studies]
+                                       report_seeds=report_seeds, gwt_options=gwt_options) for st in studies]
                 results = []
                 for st, fut in zip(studies, futures):
                     try:
@@ -948,35 +749,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None, *, mode: str, start:
                                         "error": f"{type(exc).__name__}: {exc}", "contenders": {}})
         finally:
             runner.shutdown()
-    report.update(studies=results, counts=dict(runner.counts), wall_s=time.monotonic() - t0)
-    if runner.run_env is None:  # read one run's environment (versions and device of the runs themselves)
-        for st in results:
-            for t in (st.get("contenders") or {}).values():
-                for r in t.get("runs", []):
-                    if runner.run_env is None and r.get("status") == "ok":
-                        runner.finished(Job(st["tokens_per_step"], r["spec"], t["best_lr"], r["seed"]))
-    if runner.run_env is not None:
-        report["run_environment"] = {**runner.run_env, **({"git_commit": args.commit} if args.commit else {})}
-    if args.report_only and not any(r.get("status") == "ok" for st in results
-                                    for t in (st.get("contenders") or {}).values() for r in t.get("runs", [])):
-        print(f"--report-only: no finished run in {out} matches these flags; nothing written", file=sys.stderr)
-        return 2
-    title = ("The regime study: GWT's gap to AdamW against tokens per step" if mode == "regime"
-             else "Quality on the demo: the same lr grid and seeds for every optimizer")
-    md = render(report, title)
-    print("\n" + md)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / f"{name}.json", report)
-    atomic_write_text(out / f"{name}.md", md)
-    if args.regime:
-        points = regime_points([report], report["regime"]["specs"])
-        for pp in plot_paths:
-            try:
-                plot_regime(points, pp)
-            except Exception as exc:  # noqa: BLE001 - the tables are written; a plot can be redrawn
-                print(f"regime plot {pp} failed ({type(exc).__name__}: {exc}); redraw with --plot-only")
-    print(f"wrote {out / (name + '.md')} and {out / (name + '.json')}")
-    return 0
+    return results
 
 
 def _unavailable_patterns(bad: dict[str, str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The pure logic of the quality protocol (benchmarks/_protocol.py), without training:
 the one-epoch step cap, tuning/reporting seed separation, best-lr selection, the
-specs of each view, the table and gap computation, and the plot redrawn from JSON."""
+specs of each view, the gap computation, its tables and verdicts (benchmarks/_report.py),
+and the plot redrawn from JSON."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ _spec = importlib.util.spec_from_file_location("_quality_protocol", _PATH)
 P = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = P
 _spec.loader.exec_module(P)
+import _report as R  # noqa: E402 - benchmarks/ is on the path once the protocol is loaded
 
 
 # ----------------------------------------------------------------------------- budget
@@ -156,10 +158,10 @@ def test_fair_study_tunes_then_reports_on_separate_seeds():
     assert C["adamw"]["mean"] == pytest.approx(4.5 + 0.02) and C["adamw"]["std"] == pytest.approx(0.01)
     assert C["galore:rank=32"]["status"] == "failed" and C["galore:rank=32"]["best_lr"] is None
 
-    md = "\n".join(P.study_tables(res))
+    md = "\n".join(R.study_tables(res))
     assert "| val loss | 4.7276 | **4.5000** | 4.7734 | 5.5000 |" in md  # the regular-lr grid, AdamW whole model
     assert "| gwt-adamw:level=2 | fair | 8192 | 116 | 1 | 0.01 | 0.003 | 4.6200 ± 0.0100 | +0.1000 ± 0.0000 |" in md
-    v = "\n".join(P.verdicts(res))
+    v = "\n".join(R.verdicts(res))
     assert "MISSES the bar" in v and "incomplete: galore:rank=32" in v
 
 
@@ -178,7 +180,7 @@ def test_remedy_verdict_reports_the_share_of_the_gap_closed():
         "gwt-adamw:level=2": {"gap": {"mean": 0.4, "std": 0.01, "n": 3}},
         "gwt-adamw:level=2:detail_clip=0.5": {"gap": {"mean": 0.1, "std": 0.01, "n": 3}},
     }}
-    v = "\n".join(P.verdicts(res))
+    v = "\n".join(R.verdicts(res))
     assert "closes 75% of gwt-adamw:level=2's gap" in v
 
 
