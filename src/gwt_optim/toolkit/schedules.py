@@ -23,9 +23,13 @@ Face's schedulers of the same names (:mod:`gwt_optim.toolkit.finetune`).
 from __future__ import annotations
 
 import math
+from typing import Any
+
+from gwt_optim.toolkit.flags import setting
 
 __all__ = ["SCHEDULES", "DECAY_SHAPES", "HF_SCHEDULES", "hf_scheduler_args", "WarmupCosine", "WarmupStableDecay", "WarmupConstant", "make_schedule",
-           "steps_of", "warmup_steps", "describe", "check_schedule", "add_finetune_arguments"]
+           "steps_of", "warmup_steps", "describe", "check_schedule", "schedule_setting", "decay_setting",
+           "decay_shape_setting"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("1-sqrt", "linear")
@@ -154,14 +158,20 @@ def hf_scheduler_args(kind: str, total_steps: int, *, decay: float = 0.2, decay_
                                 "min_lr_ratio": min_ratio}
 
 
-def add_finetune_arguments(p, *, default: str, kinds: tuple[str, ...]) -> None:
-    """``finetune lm`` and ``finetune glue``'s schedule flags (Hugging Face's schedulers: :func:`hf_scheduler_args`)."""
-    p.add_argument("--schedule", choices=kinds, default=default,
-                   help=f"lr after the warm-up, by Hugging Face's scheduler of that name, to 0 (default: {default})")
-    p.add_argument("--decay", type=float, default=0.2,
-                   help="wsd: the decay's length, a fraction of the steps if < 1, else steps (default: 0.2)")
-    p.add_argument("--decay-shape", choices=DECAY_SHAPES, default="1-sqrt",
-                   help="wsd: 1-sqrt or linear (default: 1-sqrt)")
+def schedule_setting(default: str, kinds: tuple[str, ...]) -> Any:
+    """``finetune lm`` and ``finetune glue``'s ``schedule`` field and its flag (Hugging Face's schedulers:
+    :func:`hf_scheduler_args`). The help's ``(default: ...)`` comes from the parser's formatter."""
+    return setting(default, "lr after the warm-up, by Hugging Face's scheduler of that name, to 0", choices=kinds)
+
+
+def decay_setting() -> Any:
+    """``finetune``'s ``decay`` field: wsd's decay, read as ``warmup`` is (:func:`steps_of`)."""
+    return setting(0.2, "wsd: the decay's length, a fraction of the steps if < 1, else steps")
+
+
+def decay_shape_setting() -> Any:
+    """``finetune``'s ``decay_shape`` field."""
+    return setting("1-sqrt", "wsd: 1-sqrt or linear", choices=DECAY_SHAPES)
 
 
 def check_schedule(kind: str, decay_shape: str, kinds: tuple[str, ...]) -> None:

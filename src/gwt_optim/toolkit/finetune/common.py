@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
+import operator
 import os
 import signal
 import socket
@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import torch
 
 # Shared with pretrain/compare: atomic result files and measured optimizer state.
+from gwt_optim.toolkit.flags import setting
 from gwt_optim.toolkit.metrics import atomic_write_json, atomic_write_text
 from gwt_optim.toolkit.metrics import state_bytes as optimizer_state_bytes
 from gwt_optim.toolkit.recipes import RECIPE_ALPHA
@@ -39,8 +40,12 @@ __all__ = [
     "markdown_table",
     "pick_device",
     "run_measured",
-    "add_run_arguments",
-    "isolate_choice",
+    "seed_setting",
+    "device_setting",
+    "isolate_setting",
+    "progress_setting",
+    "scale_setting",
+    "resume_setting",
     "previous_results",
     "settings_key",
     "report_kept_on_stop",
@@ -239,28 +244,46 @@ class _NoProgress(argparse.Action):
     """``--no-progress``: True, and the libraries' bars hidden as the flag is read, before anything loads."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ARG002
         setattr(namespace, self.dest, True)
         hide_library_progress_bars()
 
 
-def add_run_arguments(p: argparse.ArgumentParser, defaults: Any, *, runs: str, out: str, out_help: str) -> None:
-    """The flags every ``finetune`` task shares: ``--seed``, ``--device``,
-    ``--isolate``, ``--out`` and ``--no-progress``. ``defaults`` is the task's
-    settings dataclass; ``runs`` names what one isolated run is."""
-    p.add_argument("--seed", type=int, default=defaults.seed, help="weights, data order and dropout")
-    p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
-    p.add_argument(
-        "--isolate",
-        choices=("auto", "yes", "no"),
-        default="auto",
-        help=f"run each {runs} in its own process so peak RSS is per run (auto: on CPU)",
-    )
-    p.add_argument("--out", default=out, help=out_help)
-    p.add_argument("--no-progress", action=_NoProgress, help="hide progress bars (weight loading's and datasets' too)")
-    p.add_argument("--resume", action="store_true", help=f"skip the {runs} runs already in OUT/results.json")
+# The fields every ``finetune`` task's classes share, each with its flag (gwt_optim.toolkit.flags);
+# ``runs`` names what one isolated run is.
+
+def seed_setting(default: int) -> Any:
+    return setting(default, "weights, data order and dropout")
+
+
+def device_setting() -> Any:
+    return setting("auto", "auto, cpu or cuda")
+
+
+# --isolate's words for the setting: None lets the device decide.
+_ISOLATE = {"auto": None, "yes": True, "no": False}
+
+
+def isolate_setting(runs: str) -> Any:
+    return setting(None, f"run each {runs} in its own process so peak RSS is per run (auto: on CPU)",
+                   choices=tuple(_ISOLATE), value=_ISOLATE.__getitem__,
+                   text={v: word for word, v in _ISOLATE.items()}.__getitem__)
+
+
+def progress_setting() -> Any:
+    return setting(True, "hide progress bars (weight loading's and datasets' too)", name="--no-progress",
+                   action=_NoProgress, text=operator.not_, value=operator.not_)
+
+
+def scale_setting() -> Any:
+    """``--scale``, whose default None is the recipe (gwt_optim.registry.recipe_scale)."""
+    return setting(None, f"module-wise alpha on the target layers, for every method (default: {RECIPE_ALPHA})")
+
+
+def resume_setting(runs: str) -> Any:
+    return setting(False, f"skip the {runs} runs already in OUT/results.json", action="store_true")
 
 
 # How a run is shown or placed, not what it computes: a resume may change these.
@@ -298,20 +321,6 @@ def report_kept_on_stop(command: str, out_dir: Path, finished: Callable[[], int]
             print(f"[finetune {command}] stopped: {out_dir} keeps the {n} finished run(s); "
                   "--resume goes on from them", flush=True)
         raise
-
-
-def settings_from_args(cls, args: argparse.Namespace, **given: Any):
-    """A task's settings dataclass from its parsed flags: each field from the flag of its name (``--seq-len``
-    for ``seq_len``), and ``given`` for the fields whose flags read differently (a list, a choice,
-    ``--no-progress``), so that no field is copied by hand."""
-    flags = vars(args)
-    return cls(**{f.name: flags[f.name] for f in dataclasses.fields(cls) if f.name in flags and f.name not in given},
-               **given)
-
-
-def isolate_choice(value: str) -> bool | None:
-    """``--isolate`` as the settings hold it: None lets the device decide."""
-    return {"auto": None, "yes": True, "no": False}[value]
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -422,10 +431,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     sep = "| " + " | ".join([":" + "-" * (widths[0] - 1)] + ["-" * (w - 1) + ":" for w in widths[1:]]) + " |"
     return "\n".join([fmt(cells[0]), sep, *(fmt(r) for r in cells[1:])]) + "\n"
-
-
-# --scale of the finetune commands, whose default None is the recipe (gwt_optim.registry.recipe_scale).
-SCALE_HELP = f"module-wise alpha on the target layers, for every method (default: {RECIPE_ALPHA})"
 
 
 def alpha_phrase(scale: float | None) -> str:

@@ -34,8 +34,9 @@ loading), :mod:`.glue_train` (the runs) and :mod:`.glue_report`.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice, settings_from_args
+from gwt_optim.toolkit.finetune.common import resume_setting
 from gwt_optim.toolkit.finetune.glue_data import load_glue
 from gwt_optim.toolkit.finetune.glue_metrics import (
     METRICS,
@@ -47,9 +48,9 @@ from gwt_optim.toolkit.finetune.glue_metrics import (
 )
 from gwt_optim.toolkit.finetune.glue_report import glue_report
 from gwt_optim.toolkit.finetune.glue_tasks import GLUE_TASKS, GlueTask, score_task, task_cell
-from gwt_optim.toolkit.schedules import HF_SCHEDULES, add_finetune_arguments
 from gwt_optim.toolkit.finetune.glue_settings import GlueSettings
 from gwt_optim.toolkit.finetune.glue_train import run_glue
+from gwt_optim.toolkit.flags import add_flags, from_flags, setting
 
 __all__ = [
     "GlueTask",
@@ -64,6 +65,7 @@ __all__ = [
     "task_cell",
     "load_glue",
     "GlueSettings",
+    "GlueCommand",
     "run_glue",
     "glue_report",
     "add_arguments",
@@ -71,46 +73,36 @@ __all__ = [
 ]
 
 
+@dataclass
+class GlueCommand:
+    """``finetune glue``'s flags that are not a run's settings (``results.json`` keeps none of them): which
+    tasks and methods run, where their results go, whether earlier ones are kept."""
+
+    tasks: str = setting("all", f"comma-separated GLUE tasks or 'all' ({','.join(GLUE_TASKS)}); --task is an alias",
+                         alias="--task")
+    methods: str = setting("adamw,gwt-adamw:level=2",
+                           "comma-separated registry optimizers with options (name:key=value), or lora:r=8")
+    out: str = setting("results/finetune-glue", "directory for results.json and results.md")
+    resume: bool = resume_setting("(method, task)")
+
+
+# --help's order: GlueSettings' (results.json's) with the command's flags among them.
+FLAG_ORDER = (
+    "tasks", "methods", "model", "data_dir", "lr", "scale", "batch_size", "max_length", "epochs", "max_steps",
+    "warmup", "schedule", "decay", "decay_shape", "weight_decay", "max_train_samples", "max_eval_samples", "seed",
+    "device", "isolate", "out", "progress", "resume",
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = GlueSettings()
-    p.add_argument(
-        "--tasks",
-        default="all",
-        help=f"comma-separated GLUE tasks or 'all' ({','.join(GLUE_TASKS)}); --task is an alias",
-    )
-    p.add_argument("--task", dest="tasks", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--methods",
-        default="adamw,gwt-adamw:level=2",
-        help="comma-separated registry optimizers with options (name:key=value), or lora:r=8",
-    )
-    p.add_argument("--model", default=d.model, help="hub id or local directory of a pretrained encoder")
-    p.add_argument("--data-dir", default=None,
-                   help="local GLUE data: DIR/<task>/<split>.jsonl|.tsv (default: the Hub's nyu-mll/glue)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every method (after the warm-up "
-                   "--schedule takes it)")
-    p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training sequences per optimizer step")
-    p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example; longer ones are cut")
-    p.add_argument("--epochs", type=float, default=d.epochs, help="passes over each task's training set")
-    p.add_argument("--max-steps", type=int, default=d.max_steps,
-                   help="stop after this many optimizer steps, whatever --epochs says; -1: --epochs decides")
-    p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of them if < 1")
-    add_finetune_arguments(p, default=d.schedule, kinds=tuple(HF_SCHEDULES))
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
-    p.add_argument("--max-train-samples", type=int, default=None,
-                   help="train on the first N examples of each task (default: all)")
-    p.add_argument("--max-eval-samples", type=int, default=None,
-                   help="evaluate on the first N examples of each task (default: all)")
-    add_run_arguments(
-        p, d, runs="(method, task)", out="results/finetune-glue", out_help="directory for results.json and results.md"
-    )
+    add_flags(p, GlueSettings, GlueCommand, order=FLAG_ORDER)
 
 
 def main(args: argparse.Namespace) -> int:
-    tasks = list(GLUE_TASKS) if args.tasks == "all" else [t.strip().lower() for t in args.tasks.split(",") if t.strip()]
-    settings = settings_from_args(GlueSettings, args, isolate=isolate_choice(args.isolate),
-                                  progress=not args.no_progress)
-    _, report = run_glue(tasks, args.methods.split(","), settings, args.out, resume=args.resume)
+    command = from_flags(GlueCommand, args)
+    tasks = (list(GLUE_TASKS) if command.tasks == "all"
+             else [t.strip().lower() for t in command.tasks.split(",") if t.strip()])
+    settings = from_flags(GlueSettings, args)
+    _, report = run_glue(tasks, command.methods.split(","), settings, command.out, resume=command.resume)
     print(report)
     return 0

@@ -33,9 +33,10 @@ and :mod:`.lm_report`.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from gwt_optim.toolkit.data import pack_texts
-from gwt_optim.toolkit.finetune.common import SCALE_HELP, add_run_arguments, isolate_choice, settings_from_args
+from gwt_optim.toolkit.finetune.common import resume_setting
 from gwt_optim.toolkit.finetune.lm_data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
@@ -63,7 +64,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
 from gwt_optim.toolkit.finetune.lm_report import best_runs, lm_report
 from gwt_optim.toolkit.finetune.lm_settings import LMSettings
 from gwt_optim.toolkit.finetune.lm_train import perplexity, run_lm, train_one
-from gwt_optim.toolkit.schedules import SCHEDULES, add_finetune_arguments
+from gwt_optim.toolkit.flags import add_flags, from_flags, setting
 
 __all__ = [
     "IGNORE_INDEX",
@@ -72,6 +73,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "LMData",
     "LMSettings",
+    "LMCommand",
     "ModelSource",
     "alpaca_prompt",
     "best_runs",
@@ -98,49 +100,33 @@ DEFAULT_METHODS = (
 )
 
 
+@dataclass
+class LMCommand:
+    """``finetune lm``'s flags that are not a run's settings (``results.json`` keeps none of them): which
+    methods run, where their results go, whether earlier ones are kept."""
+
+    methods: str = setting(DEFAULT_METHODS, "comma-separated registry optimizers with options, and lora:r=8|auto")
+    out: str = setting("results/finetune-lm", "directory for results.json, results.md and the model cache")
+    resume: bool = resume_setting("(method, lr)")
+    cache_dir: str | None = setting(None, "where a GGUF model is de-quantized once (default: the --out folder)")
+
+
+# --help's order; LMSettings' (results.json's) differs.
+FLAG_ORDER = (
+    "model", "data", "format", "val_data", "val_fraction", "methods", "lrs", "steps", "batch_size", "seq_len",
+    "eval_batches", "scale", "warmup", "schedule", "decay", "decay_shape", "weight_decay", "max_grad_norm", "seed",
+    "device", "isolate", "out", "progress", "resume", "tf32", "cache_dir",
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = LMSettings()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help=f"{', '.join(BUILTIN_MODELS)} (offline, shipped by a package), a .gguf file, a local model directory, "
-        "or a hub id",
-    )
-    p.add_argument("--data", default=d.data, help="a corpus name of the toolkit (demo), a .txt file, or Alpaca .json/.jsonl")
-    p.add_argument("--format", choices=("auto", "text", "alpaca"), default=d.format,
-                   help="how --data is read; auto: Alpaca for .json, and for .jsonl whose records have an "
-                   "'instruction', plain text otherwise")
-    p.add_argument("--val-data", default=None, help="validation file (default: hold out --val-fraction of --data)")
-    p.add_argument(
-        "--val-fraction", type=float, default=d.val_fraction, help="Alpaca records held out when there is no --val-data"
-    )
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated registry optimizers with options, and lora:r=8|auto")
-    p.add_argument("--lrs", default=",".join(f"{x:g}" for x in d.lrs), help="learning-rate grid, the same for every method")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of each (method, lr) run")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                   help="validation batches of --batch-size sequences each")
-    p.add_argument("--scale", type=float, default=d.scale, help=SCALE_HELP)
-    p.add_argument("--warmup", type=float, default=d.warmup, help="warm-up steps, or a fraction of --steps if < 1")
-    add_finetune_arguments(p, default=d.schedule, kinds=SCHEDULES)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
-                   help="clip the gradient norm at this value; 0 disables clipping")
-    add_run_arguments(
-        p, d, runs="(method, lr)", out="results/finetune-lm",
-        out_help="directory for results.json, results.md and the model cache",
-    )
-    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (recorded in the results)")
-    p.add_argument("--cache-dir", default=None, help="where a GGUF model is de-quantized once (default: the --out "
-                   "folder)")
+    add_flags(p, LMSettings, LMCommand, order=FLAG_ORDER)
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = settings_from_args(
-        LMSettings, args, lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()),
-        max_grad_norm=args.max_grad_norm or None, isolate=isolate_choice(args.isolate), progress=not args.no_progress,
-    )
-    _, report = run_lm(args.methods.split(","), settings, args.out, resume=args.resume, cache_dir=args.cache_dir)
+    settings = from_flags(LMSettings, args)
+    command = from_flags(LMCommand, args)
+    _, report = run_lm(command.methods.split(","), settings, command.out, resume=command.resume,
+                       cache_dir=command.cache_dir)
     print(report)
     return 0
