@@ -13,8 +13,9 @@ imported only when selected), and torch's ``_fused_adamw_`` for the plain
 level-0 step on CPU (:mod:`._torch_fused`). A gradient holding a NaN or an
 infinity leaves that parameter's weight and state unchanged on every backend.
 
-The backends import only :mod:`._backends`; this module imports them, and the
-optimizer's base and the stepper import this one.
+The backends import only :mod:`._backends`; this module alone imports them,
+and the optimizer's base (``backend_option``), GWT-AdamW (its ``Kernels``) and
+the stepper (``choose``, ``route_key``) import this one.
 """
 
 from __future__ import annotations
