@@ -4,10 +4,10 @@ runs ``worker(rank, *args)`` in ``world`` fresh processes, each a rank of a gloo
 
 The processes are forked from a server process that imported torch, its distributed packages
 and gwt_optim once (``forkserver`` with those preloaded), not started bare (``spawn``): a spawned
-process pays torch's import itself, about 4 s of CPU on the CI's machine, so the suite's
-launches (16 processes) paid it 16 times, on 2 cores. A forked process starts from those modules
-already imported and imports only its test module. The server is started by the first launch
-in each pytest(-xdist) worker and serves every later one.
+process paid those imports itself, about 3.5 s of CPU per rank on a 2-core machine (a 2-rank
+test took 18-20 s of CPU spawned, 12-13 s forked), and the suite's six launches start 16 ranks.
+A forked rank starts with those modules imported and imports only its test module. The server
+is started by the first launch in each pytest(-xdist) worker and serves every later one.
 
 Each rank gets, as ``spawn`` gave it, the launching test's environment and working directory
 (the server has its own, from when it started), and the launching process's number of intra-op
@@ -43,8 +43,8 @@ def launch(worker, world: int, tmp_path, *args, group: bool = True) -> None:
     calls :func:`join_group` with ``rank`` and ``world`` itself."""
     store = os.path.join(str(tmp_path), "store")
     context = mp.start_processes(
-        _entry, args=(worker, world, store, group, dict(os.environ), os.getcwd(), torch.get_num_threads(), args), nprocs=world,
-        join=False, start_method="forkserver")
+        _entry, args=(worker, world, store, group, dict(os.environ), os.getcwd(), torch.get_num_threads(), args),
+        nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
