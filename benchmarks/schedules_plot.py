@@ -33,6 +33,8 @@ CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
     "GWT-AdamW as shipped (α 2, clip 0.5)": "gwt-adamw-level2-scale2-beta20.999-regular-lr0.003-lr0.002",
     "C1: clip 0.25 at the peak, 0.5 at the floor": "gwt-adamw-level2-scale2-detail-clip0.25-detail-clip-end0.5-"
                                                    "beta20.999-regular-lr0.003-lr0.002",
+    "C2: clip 0.2 in the step's units": "gwt-adamw-level2-scale2-detail-clip0.2-detail-clip-unitsstep-"
+                                        "beta20.999-regular-lr0.003-lr0.002",
 }
 BAR_MEAN, BAR_SEED = 0.02, 0.05
 
