@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import _protocol as P
 import _report as R
+from _stats import t975
 from _study import Driver, prepare_data, threads_for
 
 from gwt_optim.toolkit.signals import abort_on_signals
@@ -194,11 +195,6 @@ def with_weight_decay(label: str, wd: float | None) -> str:
     return P.format_spec(name, opts)
 
 
-# Two-sided 95% quantiles of Student's t by degrees of freedom (df > 30: the normal's).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
-
-
 def t_interval(xs: Sequence[float]) -> dict[str, Any]:
     """Mean and the half-width of its 95% t-interval over ``xs`` (finite values only; no interval below n=2)."""
     xs = [x for x in xs if P.finite(x)]
@@ -206,9 +202,7 @@ def t_interval(xs: Sequence[float]) -> dict[str, Any]:
     n = len(xs)
     if n < 2:
         return {"mean": m, "half": None, "n": n}
-    df = n - 1
-    q = _T975.get(df) or (_T975[max(k for k in _T975 if k <= df)] if df <= 30 else 1.96)
-    return {"mean": m, "half": q * sd / n ** 0.5, "n": n}
+    return {"mean": m, "half": t975(n - 1) * sd / n ** 0.5, "n": n}
 
 
 def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:

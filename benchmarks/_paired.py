@@ -15,11 +15,11 @@ import platform
 import subprocess
 from pathlib import Path
 
+from _stats import t975  # noqa: F401  (the plots' intervals)
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS_PER_STEP = 8192  # the studies' setting: every record here ran at it
 ADAMW = "adamw-beta20.999-scale1-regular-lr0.003-lr0.002"
-# Two-sided 95% quantiles of Student's t by degrees of freedom.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 
 def curve(run: Path) -> dict[int, float]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _paired import ROOT, T975, TOKENS_PER_STEP, environment, gaps, pyplot, save, zero_line  # noqa: E402
+from _paired import ROOT, TOKENS_PER_STEP, t975, environment, gaps, pyplot, save, zero_line  # noqa: E402
 
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
            ROOT / "docs/results/schedules-cpu/records"]
@@ -53,7 +53,7 @@ def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
     ci, ok_end = "", m <= BAR_MEAN
     if n > 1:
         sd = (sum((x - m) ** 2 for x in end) / (n - 1)) ** 0.5
-        h = T975.get(n - 1, 2.0) * sd / n ** 0.5
+        h = t975(n - 1) * sd / n ** 0.5
         ci, ok_end = f" ± {h:.3f}", m - h <= BAR_MEAN
     ok = means[worst_mean] <= BAR_MEAN and worst_seed[0] <= BAR_SEED and ok_end and not partial
     return (f"| {means[worst_mean]:+.3f} at {worst_mean * TOKENS_PER_STEP / 1e6:.1f}M | {worst_seed[0]:+.3f} "

@@ -23,8 +23,9 @@ import statistics
 import sys
 from pathlib import Path
 
-# Two-sided 95% quantiles of Student's t by degrees of freedom.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stats import t975  # noqa: E402
+
 BASELINE = "adamw"
 
 
@@ -46,7 +47,7 @@ def interval(xs: list[float]) -> str:
     m = statistics.mean(xs)
     if len(xs) < 2:
         return f"{m:+.4f} (n=1)"
-    h = T975[len(xs) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
+    h = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
     return f"{m:+.4f} ± {h:.4f} ({m - h:+.4f} to {m + h:+.4f}, n={len(xs)})"
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _paired import ADAMW, ROOT, T975, TOKENS_PER_STEP, environment, find, pyplot, save, zero_line  # noqa: E402
+from _paired import ADAMW, ROOT, TOKENS_PER_STEP, environment, find, pyplot, save, t975, zero_line  # noqa: E402
 from _paired import gaps as _gaps  # noqa: E402
 
 SETTING = "tokens8192-steps1953"
@@ -76,7 +76,7 @@ def paired_rows() -> list[str]:
         ci = ""
         if n > 1:
             sd = (sum((x - m) ** 2 for x in d) / (n - 1)) ** 0.5
-            h = T975[n - 1] * sd / n ** 0.5
+            h = t975(n - 1) * sd / n ** 0.5
             ci = f" ± {h:.3f} ({m - h:+.3f} to {m + h:+.3f})"
         # after the warm-up (the first 10% of the steps), where the curves still fall by nats per evaluation
         after = {step: v for step, v in g.items() if step > 0.1 * last}
