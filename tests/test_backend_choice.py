@@ -27,7 +27,7 @@ import torch
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 _NAMES = {F32: "f32", BF16: "bf16", F16: "f16", F64: "f64"}
 
-SHAPES = {"2d": (8, 32), "1d": (12,), "0d": ()}
+SHAPES = {"2d": (8, 4096), "1d": (12,), "0d": ()}  # 4096 = 2^12 columns: level 12 is not capped
 DTYPES = [(F32, F32), (F32, BF16), (BF16, BF16), (BF16, F32), (F16, F16), (F64, F64)]
 MOMENTS = [None, "float32", "bfloat16", "int8"]
 LEVELS = [0, 2, 12]  # 12: above the native bf16 bound (11) and Triton's (10)
@@ -104,6 +104,7 @@ def answers(select: bool = False):
     with ``select``, the Route that choose gives."""
     import gwt_optim
     from gwt_optim.optim._dispatch import choose
+    from gwt_optim.optim.functional import step_level
 
     opts: dict = {}
     gen = torch.Generator().manual_seed(0)
@@ -117,7 +118,8 @@ def answers(select: bool = False):
         g = {**opt.defaults, **group}
         w = torch.randn(SHAPES[shape], generator=gen).to(wd)
         grad = torch.randn(SHAPES[shape], generator=gen).to(gd)
-        r = choose(opt._kernels, g, w, grad, sharded, opt._rule_of(g).limited(g, w.ndim >= 2))
+        r = choose(opt._kernels, g, w, grad, sharded, opt._rule_of(g).limited(g, w.ndim >= 2),
+                   *step_level(w.shape, g["level"], g["scale"]))
         if r.backend is not None:
             path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
         else:
@@ -282,10 +284,10 @@ def test_choose_answers_once_per_bucket(monkeypatch):
     kernels, group = opt._kernels, opt.param_groups[0]
     asked = []
     monkeypatch.setattr(kernels, "refusal", lambda g: asked.append(g) or "eager here")
-    routes = [choose(kernels, group, p, torch.zeros_like(p), False, True) for p in params]
+    routes = [choose(kernels, group, p, torch.zeros_like(p), False, True, 2, 0.25) for p in params]
     assert len(asked) == 2 and {r.reason for r in routes} == {"eager here"} and len(kernels.routes) == 2
     group["detail_clip"] = None
-    choose(kernels, group, params[0], torch.zeros_like(params[0]), False, True)
+    choose(kernels, group, params[0], torch.zeros_like(params[0]), False, True, 2, 0.25)
     assert len(asked) == 3
 
     class Failing:

@@ -90,6 +90,11 @@ def oracle_adam(W0, grads, *, lr, betas, eps, wd, level, alpha, gamma, clip=None
     return W.reshape(W0.shape)
 
 
+def _level_used(shape, level):
+    """The cap of docs/algorithm.md, written out: a row of n entries steps at most at ceil(log2 n)."""
+    return min(level, math.ceil(math.log2(shape[-1])))
+
+
 def _functional(runner, W0, grads, **kw):
     W, _ = runs.train(runner, torch.tensor(W0), [torch.tensor(g) for g in grads], **kw)
     return W.numpy()
@@ -111,8 +116,9 @@ def test_gwt_adamw_is_the_float64_oracle_over_shapes(shape, level, gamma, wd, cl
     W0, grads = _problem(shape, 4, seed=level * 31 + shape[-1])
     kw = dict(lr=1e-2, eps=1e-8, level=level, norm_growth_limit=gamma, weight_decay=wd, detail_clip=clip)
     got = _functional(runs.AdamW, W0, grads, impl=impl, **kw)
-    want = oracle_adam(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd, level=level, alpha=0.25,
-                       gamma=gamma, clip=clip)
+    used = _level_used(shape, level)
+    want = oracle_adam(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd, level=used,
+                       alpha=0.25 * 2.0 ** ((used - level) / 2), gamma=gamma, clip=clip)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -139,8 +145,9 @@ def test_the_recipes_alpha_is_the_float64_oracle(shape, level, gamma, clip, impl
     else:  # GWT-Adam-mini keeps the paper's details: no clip
         clip = None
         got = _functional(runs.AdamMini, W0, grads, impl=impl, block=block, **kw)
-    want = oracle_adam(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1, level=level, alpha=alpha,
-                       gamma=gamma, clip=clip, block=block)
+    used = _level_used(shape, level)
+    want = oracle_adam(W0, grads, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.1, level=used,
+                       alpha=adamw_scale(used), gamma=gamma, clip=clip, block=block)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 

@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gwt_optim import GWTAdamW
-from gwt_optim.optim.functional import max_level
+from gwt_optim.optim.functional import max_level, step_level
 
 
 # ----------------------------------------------------------------- oracles --- #
@@ -136,7 +136,7 @@ def test_level0_matches_torch_adamw(weight_decay, impl):
     impl=st.sampled_from(["fast", "reference"]),
 )
 def test_matches_independent_float64_oracle(rows, n, level, gamma, wd, impl):
-    assume(level <= max_level(n))  # a deeper level is refused (test_a_level_deeper_than_a_row_can_use_is_refused)
+    assume(level <= max_level(n))  # a deeper level is capped (test_level_cap.py); the oracle pads it
     W0, grads = make_problem((rows, n), steps=4, seed=rows * 100 + n)
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd, level=level, scale=0.25, gamma=gamma)
     expected = numpy_gwt_adamw(W0, grads, **kw)
@@ -168,8 +168,7 @@ def test_equals_authors_update_as_eps_goes_to_zero():
     gamma=st.sampled_from([None, 1.01]),
 )
 def test_fast_path_matches_reference_path(shape, level, gamma):
-    assume(level <= max_level(shape[-1]))
-    W0, grads = make_problem(shape, steps=3, seed=level)
+    W0, grads = make_problem(shape, steps=3, seed=level)  # a level deeper than a row's: capped on both paths
     outs = [
         run_torch(lambda p: GWTAdamW(p, lr=1e-2, weight_decay=0.1, level=level, norm_growth_limit=gamma, impl=impl), W0, grads)
         for impl in ("fast", "reference")
@@ -359,22 +358,30 @@ def test_short_axis_is_zero_padded_up_to_the_deepest_level_it_can_use():
 
 @pytest.mark.parametrize("family", ["GWTAdamW", "GWTMuon", "GWTAdamMini", "GWTAdafactor"])
 @pytest.mark.parametrize("columns, deepest", [(1, 0), (3, 2), (4, 2), (5, 3), (128, 7), (129, 8)])
-def test_a_level_deeper_than_a_row_can_use_is_refused(family, columns, deepest):
-    """Past ceil(log2 n) a level only averages zero padding, and its alpha 2^(l/2) would scale the step as if it
-    did not: refused in one line naming the weight and the deepest level (the toolkit exits 2 on it)."""
+def test_a_level_deeper_than_a_row_can_use_is_capped(family, columns, deepest):
+    """Past ceil(log2 n) a level only averages zero padding: the weight steps at the deepest level, its
+    state shaped for it, with alpha times 2^((deepest - level)/2) (functional.step_level;
+    tests/test_level_cap.py checks the steps bit for bit)."""
+    import warnings
+
     import gwt_optim
 
     assert max_level(columns) == deepest
+    assert step_level((2, columns), deepest + 2, 0.25) == (deepest, 0.125)
+    assert step_level((2, columns), deepest, 0.25) == (deepest, 0.25)
     cls = getattr(gwt_optim, family)
     kw = dict(head_dim=1) if family == "GWTAdamMini" else {}
-    cls([torch.nn.Parameter(torch.zeros(2, columns))], level=deepest, **kw)  # the deepest is taken
-    with pytest.raises(ValueError) as refused:
-        cls([{"params": [torch.nn.Parameter(torch.zeros(2, columns))], "level": deepest + 1}], **kw)
-    assert str(refused.value) == (
-        f"{family}: parameter 0 of group 0 (shape (2, {columns})) has {columns} columns, fewer than level "
-        f"{deepest + 1} can use (at most level {deepest}): deeper levels only average zero padding into its rows, "
-        f"and a step scaled by their alpha 2^(level/2) would not be the rule's; give it a group of level {deepest} "
-        "or lower")
+    states = []
+    for level in (deepest, deepest + 1):
+        W = torch.nn.Parameter(torch.zeros(2, columns))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            opt = cls([{"params": [W], "level": level}], **kw)
+        assert len(said) == (level > deepest)
+        W.grad = torch.ones_like(W)
+        opt.step()
+        states.append({k: v.shape for k, v in opt.state[W].items()})
+    assert states[0] == states[1]
 
 
 def test_limiter_bounds_norm_growth():

@@ -23,6 +23,7 @@ from gwt_optim import GWTAdafactor, GWTAdamMini, GWTAdamW, GWTMuon
 from gwt_optim import _toolchain
 from gwt_optim.optim import _dispatch, _native
 from gwt_optim.optim._dispatch import choose
+from gwt_optim.optim.functional import step_level
 from gwt_optim.optim._sharded import is_dtensor, local
 from gwt_optim.optim._stepper import Stepper
 
@@ -102,7 +103,8 @@ def _make(family, options, shape, dtype, backend, impl):
 def route(opt, group, p, grad):
     """(path, backend, gradient as read, level) of ``p``'s step, from choose()."""
     sharded = is_dtensor(p)
-    r = choose(opt._kernels, group, local(p), local(grad), sharded, opt._rule_of(group).limited(group, p.ndim >= 2))
+    r = choose(opt._kernels, group, local(p), local(grad), sharded, opt._rule_of(group).limited(group, p.ndim >= 2),
+               *step_level(p.shape, group["level"], group["scale"]))
     if r.backend is not None:
         path = "batched" if r.backend.capabilities.batched and not sharded else "fused"
     elif r.level == 0:

@@ -169,6 +169,21 @@ def test_detail_clip_matches_the_functional_update(tt, alpha, units):
 
 
 @needs_triton
+def test_a_capped_weight_steps_as_at_the_level_used(tt):
+    """A (6, 2) weight in a level-3 group steps at level 1 with alpha 0.25 * 2^-1 (functional.step_level):
+    bit for bit as in a level-1 group at that alpha, in the same kernels (tests/test_level_cap.py: every
+    family, eager and native)."""
+    W0, grads = _problem(shapes=[(6, 2), (6,)], steps=3)
+    opts = []
+    got = _train(W0, grads, lr=1e-2, weight_decay=0.1, level=3, scale=0.25, backend="triton", opt_out=opts)
+    want = _train(W0, grads, lr=1e-2, weight_decay=0.1, level=1, scale=0.125, backend="triton", opt_out=opts)
+    assert all(set(o._kernels._backends) == {"triton"} for o in opts)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for p, q in zip(opts[0].state.values(), opts[1].state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in p)
+
+
+@needs_triton
 def test_level0_is_torch_adamw(tt):
     W0, grads = _problem(shapes=[(6, 10), (33,)], steps=3)
     got = _train(W0, grads, lr=1e-2, weight_decay=0.1, level=0, scale=1.0, norm_growth_limit=None, backend="triton")

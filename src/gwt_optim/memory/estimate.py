@@ -43,12 +43,14 @@ Rule = Callable[[TensorSpec, Settings], int]
 
 def _approx_numel(t: TensorSpec, level: int) -> int:
     """Entries of A_l: the rows times ceil(n / 2^l) columns (GWT on ndim >= 2;
-    level 0 is the tensor itself)."""
+    level 0 is the tensor itself), at the level the weight steps at
+    (:func:`gwt_optim.optim.functional.step_level`: at most ceil(log2 n))."""
     if len(t.shape) < 2:
         return t.numel
+    from gwt_optim.optim.functional import step_level
     from gwt_optim.wavelets import approx_length
 
-    return t.rows * approx_length(t.cols, level)
+    return t.rows * approx_length(t.cols, step_level(t.shape, level, 1.0)[0])
 
 
 def _adam(t: TensorSpec, s: Settings, *, step_bytes: int = 4) -> int:

@@ -9,8 +9,9 @@ import warnings
 from torch import Tensor
 
 from gwt_optim.optim._tracing import caller_stacklevel
+from gwt_optim.optim.functional import step_level
 
-__all__ = ["say_what_a_flat_list_does"]
+__all__ = ["say_what_a_flat_list_does", "say_which_weights_are_capped"]
 
 _said_flat = False
 
@@ -37,3 +38,30 @@ def say_what_a_flat_list_does(family: str, params: list, group: dict) -> None:
         UserWarning,
         stacklevel=caller_stacklevel(),
     )
+
+
+def say_which_weights_are_capped(family: str, groups: list[dict]) -> bool:
+    """Warn (once per optimizer: the caller keeps the answer) when weights of
+    ``groups`` have a last axis too short for their group's level and step at a
+    lower one (:func:`~gwt_optim.optim.functional.step_level`): how many, from
+    which level to which. True when it warned."""
+    capped: dict[tuple[int, int], list[tuple]] = {}
+    for g in groups:
+        for p in g["params"]:
+            if isinstance(p, Tensor) and p.ndim >= 2 and p.numel():  # an empty one never steps
+                used, _ = step_level(p.shape, g["level"], g["scale"])
+                if used != g["level"]:
+                    capped.setdefault((g["level"], used), []).append(tuple(p.shape))
+    if not capped:
+        return False
+    n = sum(map(len, capped.values()))
+    which = "; ".join(f"{len(shapes)} from level {level} to {used} ({', '.join(map(str, shapes[:3]))}"
+                      f"{', ...' if len(shapes) > 3 else ''})" for (level, used), shapes in sorted(capped.items()))
+    warnings.warn(
+        f"{family}: the last axis of {n} weight{'s' if n > 1 else ''} is too short for the group's level; each "
+        "steps at the deepest level it fits, ceil(log2 n), with alpha times 2^((level used - level)/2) "
+        f"(docs/algorithm.md): {which}. Said once per optimizer",
+        UserWarning,
+        stacklevel=caller_stacklevel(),
+    )
+    return True

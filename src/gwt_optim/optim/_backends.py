@@ -126,7 +126,8 @@ CAPABILITIES: dict[str, Capabilities] = {
 class Bucket:
     """Whole steps that a batched backend runs with one set of scalars, as
     lists of tensors (as ``torch._fused_adamw_`` takes them): the parameters
-    of one group and step count whose alpha is all the group's or all 1.
+    of one group, step count and alpha (1, the group's scale, or a capped weight's:
+    :func:`~gwt_optim.optim.functional.step_level`).
 
     While a step plan holds, the backend gets the same list of the same
     Buckets on every step with the plan's table for it, only ``step``,
@@ -139,11 +140,11 @@ class Bucket:
 
     group: dict
     step: int  # the step count after this step's increment
-    scaled: bool  # alpha is the group's "scale" (else 1)
+    alpha: float  # the alpha its parameters step at
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)  # emptied after the step: the plan keeps no gradient alive
     states: list[dict] = field(default_factory=list)
-    levels: list[int] = field(default_factory=list)  # the group's level; 0 for fewer than two dimensions
+    levels: list[int] = field(default_factory=list)  # each parameter's (functional.step_level's)
     limited: list[bool] = field(default_factory=list)  # whether the limiter applies
     scalars: AdamWScalars | None = None  # this step's (kernel_scalars), set before each launch
 

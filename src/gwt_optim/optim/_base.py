@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
 from gwt_optim import wavelets
-from gwt_optim.optim._advice import say_what_a_flat_list_does
+from gwt_optim.optim._advice import say_what_a_flat_list_does, say_which_weights_are_capped
 from gwt_optim.optim._backends import MOMENT_DTYPES, moment_dtype_name
 from gwt_optim.optim._dispatch import backend_option
 from gwt_optim.optim._family import Rule
@@ -30,7 +30,7 @@ from gwt_optim.optim._saved import check_family, check_saved_state, describe, sa
 from gwt_optim.optim._sharded import check_sharding, is_dtensor
 from gwt_optim.optim._stepper import Stepper
 from gwt_optim.optim._tracing import caller_stacklevel, make_untraced, untraced
-from gwt_optim.optim.functional import Moments, max_level
+from gwt_optim.optim.functional import Moments
 
 __all__ = ["GWTOptimizer", "IMPLEMENTATIONS", "TORCH_KEYWORDS"]
 
@@ -79,6 +79,9 @@ class GWTOptimizer(Optimizer):
                     fused=fused)
         self._impl = impl
         self._backend, self._strict = backend_option(backend)
+        # The hyperparameters before the parameters, as torch checks them (its tests pass params=None); the
+        # torch keywords after the kernels are made, below.
+        self._validate_group(base, keywords=False)
         params = params if isinstance(params, Tensor) else list(params)  # a generator can be read once
         # A request for the eager loop must be taken before the kernels are built (a request for the
         # kernels is taken as each group is checked); the first group that asks decides (the rest must agree).
@@ -88,9 +91,12 @@ class GWTOptimizer(Optimizer):
         if next((r for r in asked if r is not None), None) == "loop" and self._backend == "auto" and not self._strict:
             self._backend = "eager"
         self._init_bookkeeping()
-        self._validate_group(base)
+        self._check_torch_keywords(base)
         say_what_a_flat_list_does(self._family, params, base)
         super().__init__(params, base)
+        # Said once per optimizer, over every group given here (a group added later is said about only while
+        # nothing has been said yet).
+        self._said_capped = say_which_weights_are_capped(self._family, self.param_groups)
 
     def _init_bookkeeping(self) -> None:
         make_untraced()
@@ -132,10 +138,16 @@ class GWTOptimizer(Optimizer):
         if not isinstance(params, set):
             index = len(self.param_groups)
             for i, p in enumerate(params):
+                name = None
+                if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Tensor):  # torch's (name, tensor)
+                    name, p = p
                 if isinstance(p, Tensor):
-                    self._validate_param(p, merged, f"parameter {i} of group {index} (shape {tuple(p.shape)})")
+                    what = f"parameter {i}" if name is None else f"parameter {i} ({name!r})"
+                    self._validate_param(p, merged, f"{what} of group {index} (shape {tuple(p.shape)})")
         self._stepper.drop()
         super().add_param_group(param_group)
+        if self.__dict__.get("_said_capped") is False:  # after the constructor: one group at a time
+            self._said_capped = say_which_weights_are_capped(self._family, self.param_groups[-1:])
 
     def __getstate__(self) -> dict[str, Any]:
         # torch keeps only defaults, state and groups: a copy would take the kernels its original was told not to.
@@ -156,7 +168,9 @@ class GWTOptimizer(Optimizer):
             self._strict = compile not in (None, False)
         self._init_bookkeeping()
 
-    def _validate_group(self, g: dict[str, Any]) -> None:
+    def _validate_group(self, g: dict[str, Any], keywords: bool = True) -> None:
+        """``ValueError`` for a group's (or the defaults') out-of-range option;
+        ``keywords``: the torch keywords too (:meth:`_check_torch_keywords`, which reads the kernels)."""
         lr = g.get("lr")
         if isinstance(lr, Tensor):
             if lr.numel() != 1:
@@ -189,7 +203,8 @@ class GWTOptimizer(Optimizer):
                              "one, or None)")
         if md == "int8" and not self._INT8_MOMENTS:
             raise ValueError(f"moment_dtype='int8' is not implemented for {self._family} (GWTAdamW has it)")
-        self._check_torch_keywords(g)
+        if keywords:
+            self._check_torch_keywords(g)
         self._validate_family(g)
 
     def _check_torch_keywords(self, g: dict[str, Any]) -> None:
@@ -243,13 +258,8 @@ class GWTOptimizer(Optimizer):
             raise ValueError(f"{self._family}: {where} is {p.dtype}; only floating-point parameters can be optimized")
         if is_dtensor(p):
             check_sharding(p)  # a layout the transform cannot take: refused here, the same on every rank
-        level, n = group["level"], p.shape[-1] if p.ndim >= 2 else 0
-        if n and level > max_level(n):
-            raise ValueError(
-                f"{self._family}: {where} has {n} columns, fewer than level {level} can use (at most level "
-                f"{max_level(n)}): deeper levels only average zero padding into its rows, and a step scaled by "
-                f"their alpha 2^(level/2) would not be the rule's; give it a group of level {max_level(n)} or lower"
-            )
+        # A last axis too short for the group's level is no refusal: the weight steps at a lower level
+        # (functional.step_level), said once by _advice.say_which_weights_are_capped.
 
     def _init_family_state(self, group: dict, state: dict, approx: Tensor, moment_dtype: torch.dtype,
                            transformed: bool) -> None:

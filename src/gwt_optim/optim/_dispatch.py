@@ -60,13 +60,15 @@ class Route:
     # The local gradient as the step reads it: in its own dtype where the
     # backend takes that dtype, else in the compute dtype (at least fp32).
     grad: Tensor
-    level: int  # the group's level; 0 for parameters with fewer than two dimensions
+    level: int  # the parameter's level (functional.step_level's)
     reason: str | None  # why no backend fits (None when one does)
 
 
-def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool) -> Route:
+def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool, level: int,
+           alpha: float) -> Route:
     """The fused backend that runs the step of weight ``w`` (local) with
-    gradient ``g`` in ``group``, or why none does: the one place that decides
+    gradient ``g`` in ``group`` at ``level`` and ``alpha``
+    (:func:`~gwt_optim.optim.functional.step_level`'s), or why none does: the one place that decides
     it, from the parameter's bucket (the group's options, device, dtypes,
     level and layout) and what each backend declares. The answer is kept per
     bucket (``kernels.routes``, forgotten when a backend fails).
@@ -80,27 +82,26 @@ def choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limit
     dtype; the first whose :meth:`Capabilities.refusal` is None and that
     builds and prepares wins.
     """
-    level = group["level"] if w.ndim >= 2 else 0
     cdt = torch.promote_types(w.dtype, F32)
     if kernels is None:
         return Route(None, g.to(cdt), level, "the family has no fused kernels")
     # Everything _choose reads of the parameter, its gradient and its group.
-    key = (route_key(group), w.device, w.dtype, g.device, g.dtype, min(w.ndim, 2), g.shape == w.shape,
-           w.is_contiguous(), g.is_contiguous(), sharded, limited)
+    key = (route_key(group), level, alpha == 1, w.device, w.dtype, g.device, g.dtype, min(w.ndim, 2),
+           g.shape == w.shape, w.is_contiguous(), g.is_contiguous(), sharded, limited)
     known = kernels.routes.get(key)
     if known is None:
-        known = kernels.routes[key] = _choose(kernels, group, w, g, sharded, limited, level, cdt)
+        known = kernels.routes[key] = _choose(kernels, group, w, g, sharded, limited, level, alpha, cdt)
     backend, cast, reason = known
     return Route(backend, g.to(cdt) if cast else g, level, reason)
 
 
 def _choose(kernels: Any, group: dict, w: Tensor, g: Tensor, sharded: bool, limited: bool, level: int,
-            cdt: torch.dtype) -> _Choice:
+            alpha: float, cdt: torch.dtype) -> _Choice:
     """:func:`choose`'s answer for the parameter's bucket."""
     reason = kernels.refusal(group)
     if reason is None and level > 0 and group["wavelet"] != "haar":
         reason = f"the {group['wavelet']!r} wavelet has no closed form for the kernels"
-    if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or (w.ndim >= 2 and group["scale"] != 1)):
+    if reason is None and level == 0 and (w.ndim == 0 or sharded or limited or alpha != 1):
         reason = "at level 0 only the plain step (no limiter, alpha 1, an unsharded tensor) has kernels"
     if reason is not None:
         return _Choice(None, True, reason)

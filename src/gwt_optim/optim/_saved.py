@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gwt_optim import wavelets
+from gwt_optim.optim.functional import step_level
 
 __all__ = ["approx_shape", "check_family", "check_saved_state", "describe", "expected_state", "saved_group", "shipped_families",
            "state_problem"]
@@ -136,7 +137,7 @@ def check_saved_state(family: str, groups: list[dict], defaults: dict[str, Any],
             if not st:
                 continue
             transformed = p.ndim >= 2
-            level = options["level"] if transformed else 0
+            level, _ = step_level(p.shape, options["level"], options["scale"])
             where = f"parameter {pi} of group {gi} (shape {tuple(p.shape)})"
             try:
                 spec = expected_state(rule_of(options), options,

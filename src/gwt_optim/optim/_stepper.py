@@ -24,7 +24,7 @@ from gwt_optim.optim._family import Rule
 from gwt_optim.optim._saved import approx_shape, describe, expected_state, state_problem
 from gwt_optim.optim._sharded import (Sharding, check_sharding, distribute_state, finite_across_ranks, is_dtensor,
                                       local, reduce_limiter_norms)
-from gwt_optim.optim.functional import LIMITER_EPS, compute_dtype, limiter_ratio
+from gwt_optim.optim.functional import LIMITER_EPS, compute_dtype, limiter_ratio, step_level
 
 __all__ = ["ParamStep", "Plan", "Stepper", "STEP", "make_plan", "plannable"]
 
@@ -55,8 +55,12 @@ class ParamStep:
     group: dict
     rule: Rule  # the group's
     transformed: bool  # two or more dimensions: the wavelet step, scale and limiter apply
-    level: int
+    level: int  # the level it steps at (functional.step_level's)
     limited: bool = False
+    alpha: float = 1.0  # the alpha it steps at (functional.step_level's)
+    # The options the family's eager halves read: the group itself, or for a weight capped to a lower level
+    # (step_level) a copy at that level and alpha, made on each step (so that it reads the live lr).
+    options: dict | None = None
     norm_sq: Tensor | float | None = None  # the limiter's ||U||^2 (a float from the native kernels)
     backend: Any = None  # the fused backend running this parameter; None: the family's eager halves
     # What phase 1 leaves for phase 2: the fused backend's carry, or the
@@ -80,15 +84,15 @@ def plannable(ps: ParamStep) -> bool:
 
 def _buckets(batched: list[ParamStep]) -> list[tuple[Any, list[Bucket]]]:
     """The batched steps as each backend takes them: Buckets of one group,
-    step count and alpha (alpha = 1, a route_key option, lets weights and
-    vectors share launches)."""
+    step count and alpha (alpha = 1 lets weights and vectors share launches;
+    a weight capped to a lower level (functional.step_level) has its own alpha)."""
     buckets: dict[tuple, Bucket] = {}
     by_backend: dict[int, tuple[Any, list[Bucket]]] = {}
     for ps in batched:
-        key = (id(ps.backend), id(ps.group), ps.step, ps.transformed and ps.group["scale"] != 1)
+        key = (id(ps.backend), id(ps.group), ps.step, ps.alpha)
         b = buckets.get(key)
         if b is None:
-            b = buckets[key] = Bucket(ps.group, ps.step, key[-1])
+            b = buckets[key] = Bucket(ps.group, ps.step, ps.alpha)
             by_backend.setdefault(id(ps.backend), (ps.backend, []))[1].append(b)
         b.params.append(ps.param)
         b.grads.append(ps.grad)
@@ -103,7 +107,7 @@ def _launch(by_backend: list[tuple[Any, list[Bucket]]], skipped: list, tables: l
     under a plan, the plan's table for that backend (see :class:`Plan`)."""
     for i, (backend, buckets) in enumerate(by_backend):
         for b in buckets:
-            b.scalars = kernel_scalars(b.group, b.step, b.group["scale"] if b.scaled else 1.0)
+            b.scalars = kernel_scalars(b.group, b.step, b.alpha)
         skipped.append(backend.step_buckets(buckets, LIMITER_EPS, tables[i] if tables is not None else None))
 
 
@@ -328,7 +332,8 @@ class Stepper:
             check_sharding(p)  # before any collective: every rank refuses the same layout
         transformed = p.ndim >= 2
         limited = rule.limited(group, transformed)
-        route = choose(rule.kernels, group, w, local(p.grad), sharded, limited)
+        level, alpha = step_level(p.shape, group["level"], group["scale"])  # the full shape: a shard's may differ
+        route = choose(rule.kernels, group, w, local(p.grad), sharded, limited, level, alpha)
         G, level, fused = route.grad, route.level, route.backend
         batched = fused is not None and fused.capabilities.batched and not sharded
         if finite is None and not batched:
@@ -367,17 +372,20 @@ class Stepper:
         if finite is False:
             skipped.append(p)
             return None
-        ps = ParamStep(w, p, G, lstate, group, rule, transformed, level, limited, backend=fused, step=step,
+        ps = ParamStep(w, p, G, lstate, group, rule, transformed, level, limited, alpha, backend=fused, step=step,
                        batched=batched, sharding=Sharding(p) if sharded else None)
         if batched:
             return ps
         if fused is not None:
-            scalars = kernel_scalars(group, step, group["scale"] if transformed else 1.0)
+            scalars = kernel_scalars(group, step, alpha)
             norm_sq, ps.carry = fused.phase1(group, lstate, G, level, step, scalars)
-        elif sharded:  # the rule's first half, its reductions over the shards (_sharded's rule)
-            ps.carry = rule.moments(group, lstate, w, G, step, reduce=ps.sharding)
-        else:  # the rule's first half (functional.gwt_*_moments)
-            ps.carry = rule.moments(group, lstate, w, G, step)
+        else:
+            ps.options = group if not transformed or level == group["level"] else \
+                {**group, "level": level, "scale": alpha}
+            if sharded:  # the rule's first half, its reductions over the shards (_sharded's rule)
+                ps.carry = rule.moments(ps.options, lstate, w, G, step, reduce=ps.sharding)
+            else:  # the rule's first half (functional.gwt_*_moments)
+                ps.carry = rule.moments(ps.options, lstate, w, G, step)
         if limited:
             ps.norm_sq = norm_sq if fused is not None else ps.carry.norm_sq()
         return ps
@@ -391,9 +399,9 @@ def _phase2(ps: ParamStep) -> None:
         else 1.0
     if ps.backend is None:
         if ps.sharding is not None:
-            ps.rule.apply(group, ps.param, ps.carry, r, ps.step, reduce=ps.sharding)
+            ps.rule.apply(ps.options, ps.param, ps.carry, r, ps.step, reduce=ps.sharding)
         else:
-            ps.rule.apply(group, ps.param, ps.carry, r, ps.step)
+            ps.rule.apply(ps.options, ps.param, ps.carry, r, ps.step)
         return
     ps.backend.phase2(ps.param, ps.grad, ps.level, ps.carry, r)
 

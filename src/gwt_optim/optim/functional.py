@@ -57,7 +57,7 @@ __all__ = [
     "start", "finish", "transform", "haar_approx", "limiter_ratio", "direction", "apply_update",
     "adamw_moments", "adam_step_factor", "adam_eps", "AdamWScalars", "adamw_scalars", "muon_momentum",
     "muon_direction", "adam_mini_moments",
-    "adafactor_moments", "max_level",
+    "adafactor_moments", "max_level", "step_level",
     "adafactor_step_factor", "zeropower_via_newtonschulz", "adamw_scale", "adjust_lr_ratio", "compute_dtype",
     "BLOCKS", "DETAIL_NORMS", "NS_COEFFICIENTS", "NS_DTYPES", "LIMITER_EPS",
 ]  # fmt: skip
@@ -164,9 +164,28 @@ def max_level(n: int) -> int:
     """The deepest level a row of ``n`` entries can use: ceil(log2 n), where one block of 2^level covers it.
 
     A deeper level only averages zero padding into the approximation (its update then shrinks and the
-    details' grow) while :func:`adamw_scale` of it would scale the step as if the level were real: the
-    optimizers refuse a weight whose last axis is shorter than its group's level needs."""
+    details' grow) while :func:`adamw_scale` of it would scale the step as if the level were real:
+    :func:`step_level` caps a weight's level here."""
     return max(n - 1, 0).bit_length()
+
+
+def step_level(shape: tuple[int, ...] | torch.Size, level: int, alpha: float) -> tuple[int, float]:
+    """The level and alpha at which a parameter of ``shape`` steps in a group of ``level`` and scale ``alpha``:
+    the one rule, which the optimizers and the ``gwt_*`` whole steps all call.
+
+    A parameter of fewer than two dimensions takes the plain family's step: ``(0, 1.0)``. A weight whose
+    last axis has n entries steps at ``l_used = min(level, max_level(n))`` with
+    ``alpha_used = alpha 2^((l_used - level)/2)``, the transfer rule's scaling: with the recipe's
+    ``alpha = 2^(level/2)`` (:func:`adamw_scale`) that is ``2^(l_used/2)``, the rule's alpha at the level
+    used. A capped weight steps exactly as it would in a group of level ``l_used`` and scale
+    ``alpha_used`` (at ``l_used = 0``: a plain step at ``alpha_used``, still under the group's limiter,
+    as a level-0 group's weights are); its state is shaped for ``l_used``. A weight the level fits (the
+    usual case) gets ``(level, alpha)`` unchanged. Capping, not refusing, lets 1x1 convolutions and
+    torch's own optimizer tests (1x1, 5x1, 1x2, 2x2 weights) run under any group level."""
+    if len(shape) < 2:
+        return 0, 1.0
+    used = min(level, max_level(shape[-1]))
+    return (level, alpha) if used == level else (used, alpha * 2.0 ** ((used - level) / 2))
 
 
 def adamw_scale(level: int) -> float:
@@ -376,8 +395,10 @@ def gwt_adamw(W: Tensor, G: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, limiter
     ``exp_avg``/``exp_avg_sq`` are shaped like A_l (fp32 or lower), and
     ``limiter_norm`` is s, a 0-d tensor (zero before the first step; None
     with ``gamma=None``). A W with fewer than two dimensions takes plain
-    AdamW: level 0, alpha 1, no limiter.
+    AdamW: level 0, alpha 1, no limiter; a weight too narrow for ``level``
+    steps at :func:`step_level`'s.
     """
+    level, alpha = step_level(W.shape, level, alpha)
     m = gwt_adamw_moments(W, G, exp_avg, exp_avg_sq, step=step, beta1=beta1, beta2=beta2, eps=eps, level=level,
                           impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
@@ -496,8 +517,10 @@ def gwt_muon(W: Tensor, G: Tensor, momentum_buffer: Tensor, *, lr: float, moment
              impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
     """One GWT-Muon step of a matrix W, in place; ``momentum_buffer`` is shaped like A_l.
 
-    At level 0 with alpha 1 this is ``torch.optim.Muon``'s step.
+    At level 0 with alpha 1 this is ``torch.optim.Muon``'s step; a weight too
+    narrow for ``level`` steps at :func:`step_level`'s level and alpha.
     """
+    level, alpha = step_level(W.shape, level, alpha)
     m = gwt_muon_moments(W, G, momentum_buffer, momentum=momentum, nesterov=nesterov, level=level, impl=impl,
                          wavelet=wavelet)
     gwt_muon_apply(W, m, lr=lr, weight_decay=weight_decay, alpha=alpha, ns_coefficients=ns_coefficients,
@@ -576,8 +599,10 @@ def gwt_adam_mini(W: Tensor, G: Tensor, exp_avg: Tensor, vmean: Tensor, limiter_
                   detail_clip: float | None = None, impl: str = "fast", wavelet: str = wavelets.HAAR) -> None:
     """One GWT-Adam-mini step of W, in place: GWT-AdamW's with one second moment per block.
 
-    ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s).
+    ``vmean`` holds the blocks' v (its shape is ``BLOCKS[block][0](A_l, head_dim)``'s); the level and alpha
+    are :func:`step_level`'s.
     """
+    level, alpha = step_level(W.shape, level, alpha)
     m = gwt_adam_mini_moments(W, G, exp_avg, vmean, step=step, beta1=beta1, beta2=beta2, eps=eps, block=block,
                               head_dim=head_dim, level=level, impl=impl, wavelet=wavelet)
     r = _limit(W, m, limiter_norm, step, gamma)
@@ -696,7 +721,9 @@ def gwt_adafactor(W: Tensor, G: Tensor, *, step: int, lr: float, row_var: Tensor
                   alpha: float, gamma: float | None = None, detail_clip: float | None = None, impl: str = "fast",
                   wavelet: str = wavelets.HAAR) -> None:
     """One GWT-Adafactor step of W, in place; ``row_var``/``col_var`` (m x 1, 1 x k) for a
-    matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``."""
+    matrix, ``variance`` (A_l's shape) for a vector, ``exp_avg`` with ``beta1``; the level and alpha are
+    :func:`step_level`'s."""
+    level, alpha = step_level(W.shape, level, alpha)
     m = gwt_adafactor_moments(W, G, step=step, row_var=row_var, col_var=col_var, variance=variance, exp_avg=exp_avg,
                               beta2_decay=beta2_decay, eps1=eps[0], d=d, beta1=beta1, detail_norm=detail_norm,
                               level=level, impl=impl, wavelet=wavelet)
