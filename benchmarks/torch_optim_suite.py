@@ -313,11 +313,13 @@ def _backend_note():
         import torch
         import gwt_optim
         from gwt_optim.optim._dispatch import choose
+        from gwt_optim.optim.functional import step_level
 
         w = torch.nn.Parameter(torch.randn(10, 8))
         w.grad = torch.randn_like(w)
         opt = gwt_optim.GWTAdamW([w])
-        r = choose(opt._kernels, opt.param_groups[0], w, w.grad, False, True)
+        g = opt.param_groups[0]
+        r = choose(opt._kernels, g, w, w.grad, False, True, *step_level(w.shape, g["level"], g["scale"]))
         backend = type(r.backend).__name__ if r.backend is not None else None
         return f"backend={backend}" + (f" ({r.reason})" if r.reason else "")
     except Exception as e:  # noqa: BLE001
