@@ -45,6 +45,8 @@ def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
         return "| | | | |"
     last = max(g)
     after = {s: v for s, v in g.items() if s > 0.1 * 1953}  # after the warm-up
+    if not after:  # a live run still in its warm-up
+        return f"| | | (step {last}, in the warm-up) | no |"
     means = {s: sum(v.values()) / len(v) for s, v in after.items()}
     worst_mean = max(means, key=means.get)
     worst_seed = max(((x, seed, s) for s, v in after.items() for seed, x in v.items()))
