@@ -332,7 +332,7 @@ class Stepper:
             check_sharding(p)  # before any collective: every rank refuses the same layout
         transformed = p.ndim >= 2
         limited = rule.limited(group, transformed)
-        level, alpha = step_level(p.shape, group["level"], group["scale"])  # the full shape: a shard's may differ
+        level, alpha = step_level(p.shape, group["level"], group["scale"])  # of the parameter, not its shard
         route = choose(rule.kernels, group, w, local(p.grad), sharded, limited, level, alpha)
         G, level, fused = route.grad, route.level, route.backend
         batched = fused is not None and fused.capabilities.batched and not sharded
