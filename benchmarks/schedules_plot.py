@@ -35,6 +35,8 @@ CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
                                                    "beta20.999-regular-lr0.003-lr0.002",
     "C2: clip 0.2 in the step's units": "gwt-adamw-level2-scale2-detail-clip0.2-detail-clip-unitsstep-"
                                         "beta20.999-regular-lr0.003-lr0.002",
+    "C4: clip 0.1 in the step's units": "gwt-adamw-level2-scale2-detail-clip0.1-detail-clip-unitsstep-"
+                                        "beta20.999-regular-lr0.003-lr0.002",
 }
 BAR_MEAN, BAR_SEED = 0.02, 0.05
 

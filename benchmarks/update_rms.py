@@ -46,6 +46,8 @@ VARIANTS = {  # name: keyword arguments of functional.gwt_adamw (alpha: a factor
     "clip 0.25, alpha 2^(l/2)": dict(detail_clip=0.25, alpha="rule"),
     # issue 54's candidate C2: the clip bounds the detail step, alpha c lr at every step (detail_clip_units)
     "clip 0.2 in step units, alpha 2^(l/2)": dict(detail_clip=0.2, detail_clip_units="step", alpha="rule"),
+    # issue 54's candidate C4: C2 at half the clip
+    "clip 0.1 in step units, alpha 2^(l/2)": dict(detail_clip=0.1, detail_clip_units="step", alpha="rule"),
 }
 
 
