@@ -17,12 +17,15 @@ if [ -n "$COMMIT" ] && [ "${GWT_BUDGET_SNAPSHOT:-}" != "$COMMIT" ]; then
   TREE=$OUT.tree
   rm -rf "$TREE" && mkdir -p "$TREE" && git -C "$ROOT" archive "$COMMIT" | tar -x -C "$TREE" || exit 2
   cp "$ROOT/$SCRIPT" "$TREE/$SCRIPT" || exit 2
-  GWT_BUDGET_SNAPSHOT=$COMMIT PYTHONPATH=$TREE/src exec bash "$TREE/$SCRIPT" "$OUT" "$COMMIT"
+  GWT_BUDGET_SNAPSHOT=$COMMIT GWT_QUEUE_CHECKOUT=$ROOT PYTHONPATH=$TREE/src exec bash "$TREE/$SCRIPT" "$OUT" "$COMMIT"
 fi
 cd "$ROOT" || exit 2
 # the snapshot has no .git: each run's environment.json records COMMIT through this (metrics.git_commit)
 [ -n "$COMMIT" ] && export GWT_OPTIM_COMMIT=$COMMIT
+# the records are the checkout's, not the snapshot's: runs committed after COMMIT (a study's own, saved while its
+# queue ran) must not run again
 for records in $RECORDS; do
+  records=${GWT_QUEUE_CHECKOUT:-$ROOT}/$records
   [ -d "$records" ] && { "$PY" benchmarks/run_records.py load "$records" "$OUT" || exit 2; }
 done
 stopped=0
