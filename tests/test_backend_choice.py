@@ -342,7 +342,6 @@ if __name__ == "__main__":
     import warnings
 
     warnings.simplefilter("ignore")
-    from gwt_optim.optim import _dispatch  # noqa: F401
 
     def _patch(obj, name, value, item=False):
         if item:

@@ -134,7 +134,6 @@ def test_state_problem_is_the_one_state_check():
     from gwt_optim.optim._saved import state_problem
 
     W = _param((4, 16))
-    G = torch.zeros(4, 16)
     good = {"exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4), "limiter_norm": torch.zeros(())}
     spec = {"exp_avg": (4, 4), "exp_avg_sq": (4, 4)}
     for fused in (None, torch.float32):

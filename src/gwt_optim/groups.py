@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-import torch
 from torch import nn
 
 from gwt_optim.optim.functional import adamw_scale  # the transfer rule, stated with the update

@@ -3,7 +3,6 @@ trained on the training split and cached."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
