@@ -199,3 +199,20 @@ def test_run_files_follow_the_umask_and_record_what_each_group_runs(tiny_config,
     import argparse
 
     assert resolve_config(argparse.Namespace(config=str(run / "config.json"))) == cfg
+
+
+def test_a_finished_run_leaves_its_metrics_log_closed(tiny_config):
+    """The final validation writes a record after the loop closed the log: the log is closed again (a
+    ResourceWarning for an unclosed metrics.jsonl, once per finished run, was the symptom)."""
+    import gc
+    import warnings
+
+    cfg = tiny_config(steps=2, eval_every=2, warmup=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        train(cfg)
+        gc.collect()
+    unclosed = [str(w.message) for w in caught
+                if issubclass(w.category, ResourceWarning) and "metrics" in str(w.message)]
+    assert unclosed == []
+    assert any("val_loss" in r for r in read_jsonl(Path(cfg.out) / "metrics.jsonl"))

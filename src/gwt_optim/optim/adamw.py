@@ -25,7 +25,7 @@ __all__ = ["GWTAdamW"]
 
 
 class GWTAdamW(GWTOptimizer):
-    """AdamW with Gradient Wavelet Transform state compression.
+    r"""AdamW with Gradient Wavelet Transform state compression.
 
     Args:
         params: parameters or param-group dicts. Groups may set ``level``,

@@ -812,7 +812,10 @@ class _Loop:
                 self.bar.close()
                 self.r.log.close()
             # A signal from here on waits for the finished run to be evaluated and saved.
-            final = self._finish()
+            try:
+                final = self._finish()
+            finally:  # the final validation's record reopened the log
+                self.r.log.close()
         summary = self._summary(final, wall_s=time.perf_counter() - wall0)
         if self.r.dctx.is_main:
             atomic_write_json(self.r.folder / "summary.json", summary)
