@@ -41,6 +41,15 @@ CAND=(--gate-seeds none --contenders "adamw,$GWT,$C4" --grid adamw=2e-3 --grid "
 # Two lanes, each its own OUT (one queue per folder), so that a cosine run and a WSD run go side by side:
 # LANE=cosine or LANE=wsd; unset, both in turn. The lanes' records merge when saved.
 LANE=${LANE:-both}
+# The noise floor of a one-seed paired gap (LANE=noise): AdamW and the default again on the cosine's seed 4, each
+# mathematically the same run as its record but rounded differently (torch's foreach AdamW for the fused one;
+# GWT's eager step for the native kernel). How far a run moves from its own twin mid-run is how much of a
+# one-seed gap no optimizer change can be held to.
+if [ "$LANE" = noise ]; then
+  run --report-seeds 4 --gate-seeds none --contenders "adamw,adamw:fused=false,$GWT,$GWT:backend=eager" \
+    --grid adamw=2e-3 --grid adamw:fused=false=2e-3 --grid "$GWT=2e-3" --grid "$GWT:backend=eager=2e-3"
+  exit 0
+fi
 if [ "$LANE" != wsd ]; then
   # the cosine's worst seed (the default: +0.111 at 7.2M tokens), its other seeds, the second corpus
   run --report-seeds 4 "${CAND[@]}"
