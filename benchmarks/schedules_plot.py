@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _paired import ROOT, TOKENS_PER_STEP, t975, environment, gaps, pyplot, save, zero_line  # noqa: E402
+from _paired import ADAMW, ROOT, TOKENS_PER_STEP, t975, environment, gaps, pyplot, save, zero_line  # noqa: E402
 
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
            ROOT / "docs/results/schedules-cpu/records"]
@@ -39,6 +39,15 @@ CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
                                         "beta20.999-regular-lr0.003-lr0.002",
 }
 BAR_MEAN, BAR_SEED = 0.02, 0.05
+SHIPPED = CONTENDERS["GWT-AdamW as shipped (α 2, clip 0.5)"]
+TWINS = {  # label: (run, the run it is measured against), on the cosine: how far a run moves from its twin
+    "AdamW, foreach − fused (the same update, rounded differently)":
+        ("adamw-fusedfalse-beta20.999-scale1-regular-lr0.003-lr0.002", ADAMW),
+    "GWT-AdamW, eager − native kernel (the same update, rounded differently)":
+        ("gwt-adamw-level2-scale2-backendeager-beta20.999-regular-lr0.003-lr0.002", SHIPPED),
+    "AdamW, weight decay 0.1 − 0 (a small real change)":
+        ("adamw-weight-decay0.1-beta20.999-scale1-regular-lr0.003-lr0.002", ADAMW),
+}
 
 
 def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
@@ -94,6 +103,21 @@ def main(argv: list[str] | None = None) -> int:
                 v = list(g.get(step, {}).values())
                 cells.append(f"{sum(v) / len(v):+.3f}; {max(v):+.3f} (n={len(v)})" if v else "")
             print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    twins = {label: gaps(folders, STEPS, run, against=twin) for label, (run, twin) in TWINS.items()}
+    if any(g for g, _ in twins.values()):
+        print("\n## The noise floor: a run against its twin (pysrc, cosine; each seed's gap)\n")
+        print("| pair | seed | largest gap after the warm-up | at 7.2M | at the end |")
+        print("|---|---:|---:|---:|---:|")
+        for label, (g, partial) in twins.items():
+            for seed in sorted({seed for v in g.values() for seed in v}):
+                after = {st: v[seed] for st, v in g.items() if st > 0.1 * 1953 and seed in v}
+                if not after:
+                    continue
+                top = max(after, key=lambda st: abs(after[st]))
+                last = max(after)
+                print(f"| {label} | {seed} | {after[top]:+.3f} ({top * TOKENS_PER_STEP / 1e6:.1f}M) | "
+                      f"{after.get(873, float('nan')):+.3f} | {after[last]:+.3f}"
+                      f"{f' (step {last}, partial)' if partial and last < 1953 else ''} |")
     if a.plot:
         fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, schedule in zip(axes, ("cosine", "WSD")):
