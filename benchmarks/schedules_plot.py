@@ -125,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                 if schedule not in s or not g:
                     continue
                 xs = sorted(g)
-                seeds = max(len(v) for v in g.values())
+                seeds = sorted({seed for v in g.values() for seed in v})
                 ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], [sum(g[x].values()) / len(g[x]) for x in xs],
                         marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
-                        label=f"{s.split(',')[0]}: {c.split(':')[0]} ({seeds} seed{'s' if seeds > 1 else ''}"
-                              f"{', partial' if partial else ''})")
+                        label=f"{s.split(',')[0]}: {c.split(':')[0]} (seed{'s' if len(seeds) > 1 else ''} "
+                              f"{', '.join(map(str, seeds))}{', partial' if partial else ''})")
             zero_line(ax, legend_size=7)
             for y in (BAR_MEAN, BAR_SEED):
                 ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
