@@ -18,25 +18,24 @@ RECORDS="docs/results/budget-cpu/records docs/results/transfer-cpu/records docs/
 source "$(dirname "$0")/_queue.sh" "$@"
 CORPUS2=${CORPUS2:-/root/gwt-data/linux-c}
 GWT=gwt-adamw:level=2:scale=2
-PAIR=(--gate-seeds none --contenders "adamw,$GWT" --grid adamw=2e-3 --grid "$GWT=2e-3")
 # WSD as Hägele et al. (2024) found it level with cosine at small scale: the peak held, then a 1-sqrt
 # cool-down over the last 20% of the steps, here to the cosine's end (0.1x the peak) so that the two schedules
 # differ in shape only.
 WSD=(--schedule wsd --decay 0.2 --decay-shape 1-sqrt)
-# The remedy candidates (zero state, both at GWT's memory exactly; docs/results/schedules-cpu.md):
+# The remedy candidates measured (zero state, at GWT's memory exactly; docs/results/schedules-cpu.md), their specs:
 # C1: the clip follows the lr, 0.25 at the peak (the details' tails halved while the lr is high, where GWT
 # trails) and the default 0.5 where the lr reaches its floor.
-C1=$GWT:detail_clip=0.25:detail_clip_end=0.5
+#   C1=gwt-adamw:level=2:scale=2:detail_clip=0.25:detail_clip_end=0.5
 # C2: the clip in the step's units, alpha c lr at every step (detail_clip_units=step). The shipped clip bounds
 # the details against the stored, uncorrected denominator, so its bound in the step grows as sqrt(1 - beta2^t):
 # at beta2 0.999 the step's noise against AdamW's rises from 1.97x at step 200 to 3.2x at step 1,000 on pure
 # noise (benchmarks/update_rms.py --horizon), as GWT's gap opens. c = 0.2 holds the bound where it was at
 # step 200 (0.5 sqrt(1 - 0.999^200) = 0.21), where GWT still led on every seed.
-C2=$GWT:detail_clip=0.2:detail_clip_units=step
+#   C2=gwt-adamw:level=2:scale=2:detail_clip=0.2:detail_clip_units=step
 # C4: C2's units at half its clip, c = 0.1 (the synthetic limits: pure noise 1.3x AdamW's, against C2's 1.9x).
 # Measured and dropped: C1 and C4 trail more than the default on the cosine's seed 4 (+0.181 at 7.2M, +0.172 at
 # 6.4M); C2 halves the default's deficit there (+0.052 at 7.2M), one seed (docs/results/schedules-cpu.md).
-C4=$GWT:detail_clip=0.1:detail_clip_units=step
+#   C4=gwt-adamw:level=2:scale=2:detail_clip=0.1:detail_clip_units=step
 # C2 on seed 1 (a6983b5) trailed more than the default under both schedules and ended behind it: dropped too.
 # What is left to measure is the default itself: WSD seeds 2-4 and the second corpus. A new candidate joins here.
 CAND=(--gate-seeds none --contenders "adamw,$GWT" --grid adamw=2e-3 --grid "$GWT=2e-3")

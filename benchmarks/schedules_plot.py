@@ -22,7 +22,10 @@ from _paired import ADAMW, ROOT, TOKENS_PER_STEP, t975, environment, gaps, pyplo
 
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
            ROOT / "docs/results/schedules-cpu/records"]
-STEPS = "tokens8192-steps1953"
+TOTAL = 1953  # steps of a 16M-token run
+STEPS = f"tokens8192-steps{TOTAL}"
+WARMUP_END = 0.1 * TOTAL
+MID = 873  # the evaluation at 7.2M tokens, where the default's worst seed trails most
 SETTINGS = {  # label: the setting's folder under report/ (benchmarks/_protocol.folder_suffix)
     "pysrc, cosine": STEPS,
     "pysrc, WSD (1-sqrt, last 20%)": f"{STEPS}-wsd0.2-1-sqrt",
@@ -55,7 +58,7 @@ def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
     if not g:
         return "| | | | |"
     last = max(g)
-    after = {s: v for s, v in g.items() if s > 0.1 * 1953}  # after the warm-up
+    after = {s: v for s, v in g.items() if s > WARMUP_END}
     if not after:  # a live run still in its warm-up
         return f"| | | (step {last}, in the warm-up) | no |"
     means = {s: sum(v.values()) / len(v) for s, v in after.items()}
@@ -110,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---:|---:|---:|---:|")
         for label, (g, partial) in twins.items():
             for seed in sorted({seed for v in g.values() for seed in v}):
-                after = {st: v[seed] for st, v in g.items() if st > 0.1 * 1953 and seed in v}
+                after = {st: v[seed] for st, v in g.items() if st > WARMUP_END and seed in v}
                 if not after:
                     continue
                 top = max(after, key=lambda st: abs(after[st]))
                 last = max(after)
                 print(f"| {label} | {seed} | {after[top]:+.3f} ({top * TOKENS_PER_STEP / 1e6:.1f}M) | "
-                      f"{after.get(873, float('nan')):+.3f} | {after[last]:+.3f}"
-                      f"{f' (step {last}, partial)' if partial and last < 1953 else ''} |")
+                      f"{after.get(MID, float('nan')):+.3f} | {after[last]:+.3f}"
+                      f"{f' (step {last}, partial)' if partial and last < TOTAL else ''} |")
     if a.plot:
         fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, schedule in zip(axes, ("cosine", "WSD")):

@@ -802,7 +802,8 @@ class _Loop:
 
         self.r.model.train()
         wall0 = time.perf_counter()
-        with StopAtStep() as sigint:
+        # the log closes after the final validation, whose record comes after the last step's
+        with StopAtStep() as sigint, self.r.log:
             try:
                 self._steps(sigint)
             except KeyboardInterrupt:
@@ -810,12 +811,8 @@ class _Loop:
                 raise
             finally:
                 self.bar.close()
-                self.r.log.close()
             # A signal from here on waits for the finished run to be evaluated and saved.
-            try:
-                final = self._finish()
-            finally:  # the final validation's record reopened the log
-                self.r.log.close()
+            final = self._finish()
         summary = self._summary(final, wall_s=time.perf_counter() - wall0)
         if self.r.dctx.is_main:
             atomic_write_json(self.r.folder / "summary.json", summary)
