@@ -78,6 +78,12 @@ def test_masked_loss_counts_only_response_tokens(tokenizer):
     assert lm.perplexity(model, [batch], torch.device("cpu")) == pytest.approx(
         math.exp(float(torch.stack(nll).mean())), rel=1e-5
     )
+    # A diverged model's mean loss past exp's range (709 nats) gives the toolkit's capped figure, not an
+    # OverflowError that would lose the run's report
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e6)
+        assert float(model(**batch).loss) > 709
+    assert lm.perplexity(model, [batch], torch.device("cpu")) == math.exp(50)
 
 
 def test_truncation_keeps_masks_aligned(tokenizer):

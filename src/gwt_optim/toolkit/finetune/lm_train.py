@@ -37,7 +37,7 @@ from gwt_optim.toolkit.finetune.lm_model import (
 )
 from gwt_optim.toolkit.finetune.lm_report import lm_report
 from gwt_optim.toolkit.finetune.lm_settings import LMSettings
-from gwt_optim.toolkit.losses import IGNORE_INDEX, next_token_losses
+from gwt_optim.toolkit.losses import IGNORE_INDEX, next_token_losses, perplexity_of
 from gwt_optim.toolkit.run_folder import lock_run_dir
 
 __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
@@ -45,7 +45,8 @@ __all__ = ["LMSettings", "perplexity", "train_one", "run_lm"]
 
 @torch.no_grad()
 def perplexity(model: nn.Module, batches: Sequence[dict[str, torch.Tensor]], device: torch.device) -> float:
-    """exp of the mean next-token loss over every unmasked target token."""
+    """exp of the mean next-token loss over every unmasked target token, capped as every perplexity the
+    toolkit reports is (a diverged run's figure stays a number, and exp never overflows)."""
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
@@ -57,7 +58,7 @@ def perplexity(model: nn.Module, batches: Sequence[dict[str, torch.Tensor]], dev
     if count == 0:  # e.g. Alpaca prompts longer than --seq-len: every response is cut off
         raise ValueError("no validation target token fits in a sequence (every response is cut off by its "
                          "prompt); raise --seq-len")
-    return math.exp(total / count)
+    return perplexity_of(total / count)
 
 
 def train_one(
