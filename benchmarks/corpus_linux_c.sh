@@ -5,7 +5,10 @@
 # validation (5%), so validation spans the corpus.
 #
 #   bash benchmarks/corpus_linux_c.sh [DIR]        # default /root/gwt-data/linux-c; idempotent
+#   LINUX_C_VERSION=6.1.176-1 bash benchmarks/corpus_linux_c.sh [DIR]   # that version, where the index has it
 #
+# Debian's index moves: without LINUX_C_VERSION the version is the candidate of this machine's index (two
+# machines of this project built 6.1.192-3 and 6.1.176-1), so a study names the version its runs used.
 # kernel/, mm/, fs/ and net/: about 90 MB of C, some 25M tokens of a 4,096-token BPE, more than the 16M of a
 # budget run. DIR/SOURCE names the package version it was built from.
 set -euo pipefail
@@ -15,7 +18,9 @@ PACKAGE=linux-source-6.1
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
-apt-get download "$PACKAGE" >/dev/null || { echo "corpus_linux_c.sh: cannot download $PACKAGE (apt-get update first?)" >&2; exit 2; }
+# no retries and a short timeout: offline, the one line below comes at once, not after minutes of retries
+apt-get -o Acquire::Retries=0 -o Acquire::http::Timeout=10 download "$PACKAGE${LINUX_C_VERSION:+=$LINUX_C_VERSION}" >/dev/null 2>&1 ||
+  { echo "corpus_linux_c.sh: cannot download $PACKAGE${LINUX_C_VERSION:+=$LINUX_C_VERSION} (offline, or apt-get update first?)" >&2; exit 2; }
 DEB=$(ls ./*.deb)
 TARBALL=$(dpkg-deb -c "$DEB" | grep -o './usr/src/linux-source-[^ ]*\.tar\.xz' | head -1)
 dpkg-deb --fsys-tarfile "$DEB" | tar -xO "$TARBALL" | tar -xJ --wildcards '*/kernel/*' '*/mm/*' '*/fs/*' '*/net/*'
