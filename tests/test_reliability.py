@@ -195,6 +195,22 @@ def _assert_verified(directory: Path) -> None:
     assert hashlib.sha256(lib.read_bytes()).hexdigest() == digest
 
 
+def test_a_process_that_skips_its_exit_handlers_leaves_nothing_in_tmpdir(tmp_path, built_cache):
+    """Each process loads a private copy of the checked library; multiprocessing's workers (gloo tests,
+    DataLoader workers) end in os._exit, which runs no atexit handler, so the copy and its folder must be
+    gone as soon as the library is loaded: they were left in $TMPDIR, one folder per process."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = ("import os; from gwt_optim.optim import _native; lib = _native.native_library(); "
+              "lib2 = _native.native_library.__wrapped__(); print(sorted(os.listdir(os.environ['TMPDIR']))); "
+              "os._exit(0)")
+    env = {**os.environ, "GWT_OPTIM_CACHE": str(built_cache), "TMPDIR": str(tmp)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"  # two loads, both usable, nothing left even while the process runs
+    assert list(tmp.iterdir()) == []
+
+
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path, built_cache):
     cache = _copy(built_cache, tmp_path / "cache")
     (data,) = {so.read_bytes() for so in (cache / "kernels").glob("*.so")}

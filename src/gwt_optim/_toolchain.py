@@ -18,6 +18,7 @@ the source and a ``bind`` function that declares the library's symbols
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -172,17 +173,31 @@ def _load_checked(dir_fd: int, directory: Path, name: str, bind: Bind) -> ctypes
     if hashlib.sha256(data).hexdigest() != digest:
         raise ValueError(f"{path} no longer matches its digest")
     private, fd = _open_private_dir()
+    # A new name for every load: dlopen hands back whatever library it
+    # already loaded under a name, without opening the file.
+    copy = f"loaded-{os.getpid()}-{next(_copies)}-{path.name}"
     try:
-        # A new name for every load: dlopen hands back whatever library it
-        # already loaded under a name, without opening the file.
-        copy = f"loaded-{os.getpid()}-{next(_copies)}-{path.name}"
         _cache.write_private_file(fd, copy, data, mode=0o700)
         via_fd = f"/proc/self/fd/{fd}"
         lib = ctypes.CDLL(f"{via_fd}/{copy}" if os.path.isdir(via_fd) else str(private / copy))
     finally:
+        # The mapping outlives the file, so the copy goes at once: a process that never runs its atexit
+        # handlers (multiprocessing's workers end in os._exit) left one folder in $TMPDIR per process.
+        with contextlib.suppress(OSError):
+            os.unlink(copy, dir_fd=fd)
         os.close(fd)
-    lib._name = str(path)  # the file it was checked as, for messages: the copy is gone at exit
+        _drop_private_dir_if_empty()
+    lib._name = str(path)  # the file it was checked as, for messages: the copy is gone
     return bind(lib)
+
+
+def _drop_private_dir_if_empty() -> None:
+    """Remove :func:`_private_dir` when nothing is left in it (only a fall-back build keeps one there); the
+    next use makes a fresh one."""
+    if _private_dir.cache_info().currsize:
+        with contextlib.suppress(OSError):  # not empty: a fall-back build lives there for this process
+            os.rmdir(_private_dir())
+            _private_dir.cache_clear()
 
 
 def _build_library(cc: str, source: Path) -> bytes:
