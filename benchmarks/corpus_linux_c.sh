@@ -14,13 +14,14 @@
 set -euo pipefail
 DIR=$(realpath -m "${1:-/root/gwt-data/linux-c}")
 PACKAGE=linux-source-6.1
+SPEC=$PACKAGE${LINUX_C_VERSION:+=$LINUX_C_VERSION}  # what apt-get is asked for
 [ -s "$DIR/linux-c.jsonl" ] && { echo "$DIR/linux-c.jsonl exists ($(cat "$DIR/SOURCE"))"; exit 0; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
 # no retries and a short timeout: offline, the one line below comes at once, not after minutes of retries
-apt-get -o Acquire::Retries=0 -o Acquire::http::Timeout=10 download "$PACKAGE${LINUX_C_VERSION:+=$LINUX_C_VERSION}" >/dev/null 2>&1 ||
-  { echo "corpus_linux_c.sh: cannot download $PACKAGE${LINUX_C_VERSION:+=$LINUX_C_VERSION} (offline, or apt-get update first?)" >&2; exit 2; }
+apt-get -o Acquire::Retries=0 -o Acquire::http::Timeout=10 download "$SPEC" >/dev/null 2>&1 ||
+  { echo "corpus_linux_c.sh: cannot download $SPEC (offline, or apt-get update first?)" >&2; exit 2; }
 DEB=$(ls ./*.deb)
 TARBALL=$(dpkg-deb -c "$DEB" | grep -o './usr/src/linux-source-[^ ]*\.tar\.xz' | head -1)
 dpkg-deb --fsys-tarfile "$DEB" | tar -xO "$TARBALL" | tar -xJ --wildcards '*/kernel/*' '*/mm/*' '*/fs/*' '*/net/*'

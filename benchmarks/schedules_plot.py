@@ -123,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{f' (step {last}, partial)' if partial and last < TOTAL else ''} |")
     if a.plot:
         fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        low = -0.12  # the bar's lines and the warm-up in view, and every line whole (a corpus may lead by more)
         for ax, schedule in zip(axes, ("cosine", "WSD")):
             for (s, c), (g, partial) in found.items():
                 if schedule not in s or not g:
                     continue
                 xs = sorted(g)
                 seeds = sorted({seed for v in g.values() for seed in v})
-                ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], [sum(g[x].values()) / len(g[x]) for x in xs],
+                ys = [sum(g[x].values()) / len(g[x]) for x in xs]
+                low = min([low, *ys])
+                ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], ys,
                         marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
                         label=f"{s.split(',')[0]}: {c.split(':')[0]} (seed{'s' if len(seeds) > 1 else ''} "
                               f"{', '.join(map(str, seeds))}{', partial' if partial else ''})")
@@ -138,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                 ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
             ax.set_title(f"under the {schedule}")
         axes[0].set_ylabel("validation loss − AdamW's (paired, seed mean)")
-        # the bar's lines and the warm-up in view, and every line whole (a corpus may lead by more than 0.12)
-        low = min([-0.12] + [sum(v.values()) / len(v) for g, _ in found.values() for v in g.values() if v])
         axes[0].set_ylim(low - 0.01, 0.15)
         fig.suptitle("llama_9m, 16M tokens, both at AdamW's (2e-3, 0)", fontsize=10)
         save(fig, a.plot)
