@@ -184,6 +184,41 @@ def test_estimate_equals_measured_bytes(name, level, rank, make):
     assert measured == est.state_bytes
 
 
+class _ConvNet(torch.nn.Module):
+    """What the "hidden" recipe transforms beyond matrices: conv kernels, one of
+    them 1x1 (its last axis too short for any level, so it steps at level 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3)
+        self.conv2 = torch.nn.Conv2d(8, 8, 1)
+        self.fc = torch.nn.Linear(8, 16)
+        self.classifier = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.classifier(self.fc(self.conv2(self.conv1(x)).mean((2, 3))))
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "gwt-adamw", "gwt-muon", "gwt-adam-mini", "gwt-adafactor"])
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.filterwarnings("ignore:.*too short for the group's level")
+def test_estimate_equals_measured_bytes_with_conv_kernels(name, level):
+    # Muon orthogonalizes matrices only: the registry steps a conv kernel with AdamW, which the estimate must count.
+    from gwt_optim.toolkit.registry import OptimizerConfig, build_optimizer
+
+    torch.manual_seed(0)
+    model = _ConvNet()
+    opts = {"level": level} if name.startswith("gwt-") else {}
+    opts.update({"ns_dtype": "float32"} if name == "gwt-muon" else {})
+    opts.update({"dim": 8, "n_heads": 2} if name.endswith("adam-mini") else {})
+    opt = build_optimizer(name, model, OptimizerConfig(lr=1e-3, recipe="hidden", options=opts))
+    model(torch.randn(2, 3, 6, 6)).square().mean().backward()
+    for o in opt if isinstance(opt, (list, tuple)) else [opt]:
+        o.step()
+    est = estimate(model, name, level=level, recipe="hidden", dim=8, n_heads=2)
+    assert optimizer_state_bytes(opt) == est.state_bytes
+
+
 def test_gwt_state_on_transformed_weights_shrinks_by_2_pow_l():
     model = tiny_llama()
     plain = estimate(model, "adamw")

@@ -90,6 +90,8 @@ def _adam_mini(t: TensorSpec, s: Settings, *, level: int = 0, step_bytes: int = 
 
 
 def _muon(t: TensorSpec, s: Settings, *, level: int = 0, step_bytes: int = 0) -> int:
+    if len(t.shape) != 2:  # Muon orthogonalizes matrices: the registry steps the rest with AdamW
+        return _adam(t, s)
     return _approx_numel(t, level) * s.state_bytes + step_bytes
 
 
