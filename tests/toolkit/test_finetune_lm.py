@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gwt_optim.toolkit.finetune import lm
+from gwt_optim.toolkit.finetune import lm, lm_model
 from gwt_optim.toolkit.finetune.tiny import save_tiny_llama, word_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "finetune"
@@ -106,11 +106,11 @@ def test_pack_texts_joins_documents_with_eos(tokenizer):
 def test_lora_rank_matches_gwt_level2_state(tiny_llama):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     r = lm.lora_rank_matching(model, level=2)
-    gwt = lm._gwt_state_numel(model, 2)
+    gwt = lm_model._gwt_state_numel(model, 2)
     per_rank = sum(2 * (m.in_features + m.out_features) for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n in set(lm._lora_targets(model)))
+                   if isinstance(m, torch.nn.Linear) and n in set(lm_model._lora_targets(model)))
     assert abs(r * per_rank - gwt) <= per_rank / 2  # the nearest rank
-    assert not any("lm_head" in n for n in lm._lora_targets(model))
+    assert not any("lm_head" in n for n in lm_model._lora_targets(model))
 
 
 def test_finetune_lm_end_to_end(tiny_llama, tmp_path):
@@ -180,7 +180,7 @@ def test_a_seq_len_that_cuts_off_every_response_is_one_line(tiny_llama, tmp_path
 def test_unknown_lora_option_names_the_known_ones(tiny_llama):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match="known: r"):
-        lm._wrap_lora(model, {"rank": 4})
+        lm_model._wrap_lora(model, {"rank": 4})
 
 
 @pytest.mark.slow

@@ -48,13 +48,9 @@ from gwt_optim.toolkit.finetune.lm_data import (
     load_alpaca,
     prepare_data,
 )
-# The private names are re-exported for the tests that check LoRA's rank matching.
 from gwt_optim.toolkit.finetune.lm_model import (
     BUILTIN_MODELS,
     ModelSource,
-    _gwt_state_numel,
-    _lora_targets,
-    _wrap_lora,
     cache_base_model,
     load_lm_tokenizer,
     load_model,
