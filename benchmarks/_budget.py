@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import _protocol as P
 import _report as R
+from _runs import curve, run_folders
 from _stats import t975
 from _study import Driver, prepare_data, threads_for
 
@@ -207,17 +208,7 @@ def t_interval(xs: Sequence[float]) -> dict[str, Any]:
 
 def read_curve(run: Path, tokens_per_step: int) -> list[tuple[int, float]]:
     """(tokens, validation loss) of every validation of a run."""
-    from gwt_optim.toolkit.metrics import read_jsonl
-
-    try:
-        rows = read_jsonl(run / "metrics.jsonl")
-    except (OSError, ValueError):
-        return []
-    out = {}
-    for r in rows:
-        if "val_loss" in r and P.finite(r["val_loss"]):
-            out[int(r["step"]) * tokens_per_step] = float(r["val_loss"])
-    return sorted(out.items())
+    return [(step * tokens_per_step, v) for step, v in sorted(curve(run).items())]
 
 
 def run_commits(run: Path) -> list[str | None]:
@@ -808,17 +799,6 @@ def plot_series(report: dict[str, Any]) -> dict[str, Any]:
             "title": f"{report['setting']['model']} on {report['setting']['data']}, mean of seeds "
                      f"{B['report_seeds']}"}
 
-def run_folders(out: Path):
-    """(stage, run folder, its config) of every run under ``out`` (``OUT/STAGE/runs/tokens.../seedN/RUN``),
-    finished or cut short."""
-    import json
-
-    for cfg_path in sorted(out.glob("*/runs/*/seed*/*/config.json")):
-        yield cfg_path.parts[-6], cfg_path.parent, json.loads(cfg_path.read_text())
-
-
-
-
 def progress_rows(out: Path) -> list[tuple]:
     """Every run under ``out`` with its steps and last validation, finished or cut short: the interim
     record of a grid that spans sessions (runs still in flight included). Each row: (stage, spec, matrix lr,
@@ -842,7 +822,7 @@ def progress_table(out: Path) -> str:
 
 def progress_curves(out: Path, tokens_per_step: int) -> list[tuple[str, dict[str, Any], list[tuple[int, float]]]]:
     """(stage, config, validation curve) of every run under ``out`` that has validated."""
-    return [(stage, cfg, curve) for stage, run, cfg in run_folders(out) if (curve := read_curve(run, tokens_per_step))]
+    return [(stage, cfg, points) for stage, run, cfg in run_folders(out) if (points := read_curve(run, tokens_per_step))]
 
 
 def main(argv: list[str] | None, description: str) -> int:

@@ -9,27 +9,16 @@ reporting seed and setting, at every evaluation both have made. Reads no checkpo
 
 from __future__ import annotations
 
-import gzip
-import json
 import platform
 import subprocess
 from pathlib import Path
 
+from _runs import curve  # noqa: F401  (the one reader of a run's validation curve)
 from _stats import t975  # noqa: F401  (the plots' intervals)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS_PER_STEP = 8192  # the studies' setting: every record here ran at it
 ADAMW = "adamw-beta20.999-scale1-regular-lr0.003-lr0.002"
-
-
-def curve(run: Path) -> dict[int, float]:
-    """step -> validation loss of one run, from its record or its live metrics."""
-    if (run / "metrics.jsonl.gz").exists():
-        with gzip.open(run / "metrics.jsonl.gz", "rt") as f:
-            rows = [json.loads(line) for line in f]
-    else:
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
 def find(folders: list[Path], setting: str, seed: int, name: str) -> tuple[Path, bool] | None:

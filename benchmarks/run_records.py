@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _budget import run_folders  # noqa: E402  (the study's folder layout, in one place)
+from _runs import run_folders  # noqa: E402  (the study's folder layout, in one place)
 
 FILES = ("config.json", "requested_config.json", "environment.json")
 SUMMARY, METRICS = "summary.json", "metrics.jsonl"
