@@ -270,6 +270,32 @@ def test_the_flat_state_dict_loads_into_a_fresh_container_and_training_continues
         assert torch.equal(a, b)
 
 
+def test_a_flat_state_dict_from_before_a_hyperparameter_existed_loads_with_its_default():
+    # torch's own load_state_dict fills a group key a checkpoint predates from the defaults; torchtitan's flat
+    # loader raised KeyError for it (a GWT checkpoint written before detail_clip_units existed).
+    model = make_model()
+    container = gwt_config().build(model_parts=[model])
+    train(model, container.step, 3)
+    full = copy.deepcopy(container.state_dict())
+    old = {k: v for k, v in full.items() if not k.endswith(".detail_clip_units")}
+    assert len(old) < len(full)
+    twins = []
+    for flat in (full, old):
+        twin = make_model()
+        twin.load_state_dict(model.state_dict())
+        loaded = gwt_config().build(model_parts=[twin])
+        loaded.load_state_dict(copy.deepcopy(flat))  # loaded by reference: training would change `full`
+        assert all(g["detail_clip_units"] == "stored" for g in loaded.optimizers[0].param_groups)
+        train(twin, loaded.step, 2, first=3)
+        twins.append(params_of(twin))
+    for a, b in zip(*twins):
+        assert torch.equal(a, b)
+    # A group the checkpoint does not hold at all is still torchtitan's error, not filled in.
+    with pytest.raises(KeyError, match="not found in checkpoint"):
+        gwt_config().build(model_parts=[make_model()]).load_state_dict(
+            {k: v for k, v in full.items() if ".wq.weight." not in k})
+
+
 def test_a_flat_state_dict_of_another_family_is_refused_and_nothing_changes():
     """torchtitan rebuilds each group from the live optimizer's keys, so the
     family tag does not come back; the check of every saved state tensor
@@ -281,13 +307,8 @@ def test_a_flat_state_dict_of_another_family_is_refused_and_nothing_changes():
     flat = container.state_dict()
     other = gwt_config().build(model_parts=[make_model()])
     before = copy.deepcopy(other.optimizers[0].state_dict())
-    # torchtitan refuses a group key the checkpoint lacks (GWT-AdamW's detail_clip_units) itself
-    with pytest.raises(KeyError, match="detail_clip_units"):
-        other.load_state_dict(flat)
-    # given that key, torchtitan unflattens Adam-mini's groups as GWT-AdamW's: the check of every saved state
-    # tensor refuses them
-    flat = {**flat, **{k.replace(".detail_clip", ".detail_clip_units", 1): "stored"
-                       for k in flat if k.startswith("param_groups.") and k.endswith(".detail_clip")}}
+    # torchtitan unflattens Adam-mini's groups as GWT-AdamW's (the key Adam-mini lacks, detail_clip_units,
+    # takes its default, as from a checkpoint that predates it): the check of every saved state tensor refuses them
     with pytest.raises(ValueError, match="GWTAdamW: parameter 0 of group 0 .* saved state"):
         other.load_state_dict(flat)
     after = other.optimizers[0].state_dict()

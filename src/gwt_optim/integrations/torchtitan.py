@@ -18,13 +18,18 @@ fused kernels, and is refused for the families that have none;
 ``"for-loop"`` runs the eager step of any family; ``"foreach"`` is refused.
 ``docs/scaling-out.md`` has the recipe and says what was tested.
 
+A checkpoint written before a GWT hyperparameter existed loads as torch's own
+``load_state_dict`` loads it: the key takes the optimizer's default
+(``Optimizer.__setstate__``). torchtitan's flat loader would refuse it
+(``KeyError``: it looks every live group key up in the checkpoint).
+
 Importing this module imports torchtitan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
@@ -49,3 +54,18 @@ class GWTOptimizersContainer(OptimizersContainer):
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
         factory = FACTORIES.get(name)
         return factory if factory is not None else OptimizersContainer._resolve_optimizer_factory(name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        filled = dict(state_dict)
+        gwt = tuple(FACTORIES.values())
+        for optim in self.optimizers:
+            if not isinstance(optim, gwt):
+                continue
+            for group in optim.param_groups:
+                names = group.get("param_names") or []
+                # Only a group the checkpoint holds (its lr saved); a missing group stays torchtitan's error.
+                if not names or f"param_groups.{names[0]}.lr" not in filled:
+                    continue
+                for key in group.keys() & optim.defaults.keys():
+                    filled.setdefault(f"param_groups.{names[0]}.{key}", optim.defaults[key])
+        super().load_state_dict(filled)
