@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _paired import ADAMW, ROOT, TOKENS_PER_STEP, t975, environment, gaps, pyplot, save, zero_line  # noqa: E402
+from _paired import (ADAMW, ROOT, TOKENS_PER_STEP, curve, environment, find, gaps, pyplot, save, t975,  # noqa: E402
+                     zero_line)
 
 RECORDS = [ROOT / "docs/results/budget-cpu/records", ROOT / "docs/results/transfer-cpu/records",
            ROOT / "docs/results/schedules-cpu/records"]
@@ -42,6 +43,7 @@ CONTENDERS = {  # label: run folder name, each at AdamW's (2e-3, 0)
                                         "beta20.999-regular-lr0.003-lr0.002",
 }
 BAR_MEAN, BAR_SEED = 0.02, 0.05
+UNPAIRED = (582, 776, 873, 1067, TOTAL)  # evaluations at 4.8M, 6.4M, 7.2M, 8.7M tokens and the end
 SHIPPED = CONTENDERS["GWT-AdamW as shipped (α 2, clip 0.5)"]
 TWINS = {  # label: (run, the run it is measured against), on the cosine: how far a run moves from its twin
     "AdamW, foreach − fused (the same update, rounded differently)":
@@ -77,6 +79,32 @@ def verdict(g: dict[int, dict[int, float]], partial: bool) -> str:
             f"{', partial' if partial else ''}, step {last}) | {'yes' if ok else 'no'} |")
 
 
+def unpaired(folders: list[Path]) -> None:
+    """Each finished run's validation loss by seed, AdamW and the default apart: whether a seed's paired gap is
+    a slow GWT run or a fast AdamW run (the cosine's seed 4 is AdamW's fastest, docs/results/schedules-cpu.md)."""
+    runs = {"AdamW": ADAMW, "GWT-AdamW": SHIPPED}
+    for s, folder in SETTINGS.items():
+        loss = {who: {seed: curve(hit[0]) for seed in range(1, 9)
+                      if (hit := find(folders, folder, seed, name)) and hit[1]} for who, name in runs.items()}
+        seeds = sorted(set(loss["AdamW"]) & set(loss["GWT-AdamW"]))
+        if len(seeds) < 2:
+            continue
+        print(f"\n## {s}: each finished run unpaired, by seed ({', '.join(map(str, seeds))}); sd across seeds\n")
+        print("| tokens | " + " | ".join(f"{who}, seeds | sd" for who in runs) + " |")
+        print("|---:|" + "---|---:|" * len(runs))
+        for step in UNPAIRED:
+            cells = []
+            for who in runs:
+                v = [loss[who][seed].get(step) for seed in seeds]
+                if None in v:
+                    cells += ["", ""]
+                    continue
+                m = sum(v) / len(v)
+                sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5
+                cells += [" ".join(f"{x:.3f}" for x in v), f"{sd:.3f}"]
+            print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plot", default="", help="write the figure here (PNG); empty: the tables only")
@@ -106,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 v = list(g.get(step, {}).values())
                 cells.append(f"{sum(v) / len(v):+.3f}; {max(v):+.3f} (n={len(v)})" if v else "")
             print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    unpaired(folders)
     twins = {label: gaps(folders, STEPS, run, against=twin) for label, (run, twin) in TWINS.items()}
     if any(g for g, _ in twins.values()):
         print("\n## The noise floor: a run against its twin (pysrc, cosine; each seed's gap)\n")
