@@ -161,17 +161,21 @@ def main(argv: list[str] | None = None) -> int:
                 seeds = sorted({seed for v in g.values() for seed in v})
                 ys = [sum(g[x].values()) / len(g[x]) for x in xs]
                 low = min([low, *ys])
-                ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], ys,
-                        marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
-                        label=f"{s.split(',')[0]}: {c.split(':')[0]} (seed{'s' if len(seeds) > 1 else ''} "
-                              f"{', '.join(map(str, seeds))}{', partial' if partial else ''})")
+                line, = ax.plot([x * TOKENS_PER_STEP / 1e6 for x in xs], ys,
+                                marker="o", markersize=2.5, linestyle="-" if s.startswith("pysrc") else "--",
+                                label=f"{s.split(',')[0]}: {c.split(':')[0]} (seed{'s' if len(seeds) > 1 else ''} "
+                                      f"{', '.join(map(str, seeds))}{', partial' if partial else ''})")
+                if len(seeds) > 1:  # each seed faintly behind its mean: a user watches one curve, not the mean
+                    for seed in seeds:
+                        pts = [(x * TOKENS_PER_STEP / 1e6, g[x][seed]) for x in xs if seed in g[x]]
+                        ax.plot(*zip(*pts), color=line.get_color(), linewidth=0.7, alpha=0.35)
             zero_line(ax, legend_size=7)
             for y in (BAR_MEAN, BAR_SEED):
                 ax.axhline(y, color="grey", linewidth=0.6, linestyle=":")
             ax.set_title(f"under the {schedule}")
-        axes[0].set_ylabel("validation loss − AdamW's (paired, seed mean)")
-        axes[0].set_ylim(low - 0.01, 0.15)
-        fig.suptitle("llama_9m, 16M tokens, both at AdamW's (2e-3, 0)", fontsize=10)
+        axes[0].set_ylabel("validation loss − AdamW's (paired)")
+        axes[0].set_ylim(low - 0.01, 0.2)  # room above the worst seed for the legend
+        fig.suptitle("llama_9m, 16M tokens, both at AdamW's (2e-3, 0); the seed mean, and each seed faint", fontsize=10)
         save(fig, a.plot)
     return 0
 
