@@ -26,7 +26,11 @@ def curve(run: Path) -> dict[int, float]:
     that is not finite are skipped, as the toolkit's own reader (``gwt_optim.toolkit.metrics.read_jsonl``) does."""
     gz = run / "metrics.jsonl.gz"
     try:
-        text = gzip.open(gz, "rt").read() if gz.exists() else (run / "metrics.jsonl").read_text()
+        if gz.exists():
+            with gzip.open(gz, "rt") as f:
+                text = f.read()
+        else:
+            text = (run / "metrics.jsonl").read_text()
     except (OSError, EOFError, UnicodeDecodeError):
         return {}
     out = {}

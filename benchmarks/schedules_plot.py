@@ -14,6 +14,7 @@ better (the 95% t interval not wholly above +0.02).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -99,9 +100,7 @@ def unpaired(folders: list[Path]) -> None:
                 if None in v:
                     cells += ["", ""]
                     continue
-                m = sum(v) / len(v)
-                sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5
-                cells += [" ".join(f"{x:.3f}" for x in v), f"{sd:.3f}"]
+                cells += [" ".join(f"{x:.3f}" for x in v), f"{statistics.stdev(v):.3f}"]
             print(f"| {step * TOKENS_PER_STEP / 1e6:.1f}M | " + " | ".join(cells) + " |")
 
 
